@@ -1,0 +1,52 @@
+"""ContextParallelAttention: write, attend own slots, exchange, merge."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torch_cp.attention.backend import AttentionBackend
+from torch_cp.attention.exchange import Exchange
+from torch_cp.attention.partial import merge_partials, merge_two
+from torch_cp.plan import StepPlan
+
+
+class ContextParallelAttention(nn.Module):
+    """Attention of one layer over a placed paged pool.
+
+    Per step and layer: the new tokens' K/V are written through the placement (owner writes, the
+    other partners write the sink page); each partner attends its own slots of the context
+    (TP mode: for every partner's query heads); the partials are exchanged and merged exactly.
+    A decode step's rows attend the pool after their token is written. Other steps attend the
+    cached context from the pool and their own tokens causally from the K/V passed in, and the two
+    partials merge once.
+    """
+
+    def __init__(self, layer_idx: int, backend: AttentionBackend, exchange: Exchange):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.exchange = exchange
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool,
+                plan: StepPlan) -> torch.Tensor:
+        """Args:
+            q: [N, H, Dk] this rank's query heads (MLA: absorbed ``q_nope | q_pe``).
+            k, v: the step's new keys/values, [N, Hkv, D] (MLA: ``ckv`` [N, R] and ``kpe`` [N, rope]).
+            pool: the layer's placed pool (``GQAPool`` or ``MLAPool``).
+            plan: the step plan (built for this partner).
+        Returns:
+            [N, H, Dv] attention output (MLA: in latent space, before W_UV).
+        """
+        pool.write(self.layer_idx, k, v, plan.write_index)
+        placement = self.exchange.placement
+        tp_mode = placement.size > 1 and placement.mode == "tp"
+        q_context = self.exchange.gather_heads(q) if tp_mode else q
+        partial = self.backend.run_context(q_context, pool, self.layer_idx)
+        if placement.size > 1:
+            exchanged = (self.exchange.return_partials(partial) if tp_mode
+                         else self.exchange.gather_partials(partial))
+            partial = merge_partials(*exchanged)
+        if not plan.is_decode:
+            partial = merge_two(partial, self.backend.run_own(q, k, v))
+        return partial.out

@@ -1,0 +1,54 @@
+"""Logical page allocation. Sees only logical lengths, so every partner decides the same."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class PageAllocator:
+    """Free list of logical page ids and the page table of each live request.
+
+    ``reserve`` answers ``False`` ("not now") when the free pages cannot cover a request's growth,
+    and changes nothing in that case; ``release`` returns every page of a request.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_pages))
+        self._tables: dict[object, list[int]] = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def table(self, request_id) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def missing_pages(self, request_id, num_tokens: int) -> int:
+        return max(0, self.pages_for(num_tokens) - len(self.table(request_id)))
+
+    def can_reserve(self, request_id, num_tokens: int) -> bool:
+        return self.missing_pages(request_id, num_tokens) <= len(self._free)
+
+    def reserve(self, request_id, num_tokens: int) -> bool:
+        """Grow ``request_id``'s table to hold ``num_tokens`` tokens; False (no change) if it can't."""
+        missing = self.missing_pages(request_id, num_tokens)
+        if missing > len(self._free):
+            return False
+        table = self._tables.setdefault(request_id, [])
+        table.extend(self._free.popleft() for _ in range(missing))
+        return True
+
+    def release(self, request_id) -> None:
+        """Return every page of ``request_id`` to the free list (a no-op for unknown ids)."""
+        self._free.extend(self._tables.pop(request_id, []))
+
+    @property
+    def live_requests(self) -> list:
+        return list(self._tables)

@@ -1,0 +1,83 @@
+"""Placed paged KV pools: GQA in FlashInfer's NHD layout and the MLA latent pool.
+
+Physical page ids equal logical page ids; one extra page at index ``num_pages`` is the sink page.
+Each page holds ``page_size // P`` slots (see ``torch_cp.placement``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_cp.placement import ContextParallel
+
+
+class GQAPool:
+    """K/V of every layer: ``kv[layer]`` is ``[num_pages + 1, 2, page_size // P, kv_heads, head_dim]``.
+
+    Args:
+        num_layers, num_pages: layers and logical pages (the sink page is added).
+        page_size: logical page size, a multiple of P.
+        kv_heads: KV heads this rank holds; head_dim: their size.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
+                 head_dim: int, placement: ContextParallel, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.placement = placement
+        self.page_size = page_size
+        self.local_page_size = placement.local_page_size(page_size)
+        self.num_pages = num_pages
+        self.sink_page = num_pages
+        self.kv = torch.zeros(num_layers, num_pages + 1, 2, self.local_page_size, kv_heads,
+                              head_dim, dtype=dtype, device=device)
+
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        return self.kv[layer_idx]
+
+    def write(self, layer_idx: int, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
+              write_index: torch.Tensor) -> None:
+        """Store new tokens' ``k_nhd``/``v_nhd`` [N, kv_heads, head_dim] at flat physical slots."""
+        write_kv_slots(self.kv[layer_idx], k_nhd, v_nhd, write_index)
+
+    @property
+    def bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
+                   write_index: torch.Tensor) -> None:
+    """Write into ``cache`` [pages, 2, page, H, D] at flat slots ``page_id * page + slot``."""
+    page = cache.shape[2]
+    page_ids, slots = write_index // page, write_index % page
+    cache[page_ids, 0, slots] = k_nhd.to(cache.dtype)
+    cache[page_ids, 1, slots] = v_nhd.to(cache.dtype)
+
+
+class MLAPool:
+    """Latent KV of every layer: ``ckv[layer]`` [pages + 1, page_size // P, kv_lora_rank] and
+    ``kpe[layer]`` [pages + 1, page_size // P, rope_dim]."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
+                 rope_dim: int, placement: ContextParallel, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.placement = placement
+        self.page_size = page_size
+        self.local_page_size = placement.local_page_size(page_size)
+        self.num_pages = num_pages
+        self.sink_page = num_pages
+        shape = (num_layers, num_pages + 1, self.local_page_size)
+        self.ckv = torch.zeros(*shape, kv_lora_rank, dtype=dtype, device=device)
+        self.kpe = torch.zeros(*shape, rope_dim, dtype=dtype, device=device)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ckv[layer_idx], self.kpe[layer_idx]
+
+    def write(self, layer_idx: int, ckv_nd: torch.Tensor, kpe_nd: torch.Tensor,
+              write_index: torch.Tensor) -> None:
+        """Store new tokens' latent ``ckv_nd`` [N, kv_lora_rank] and rope key ``kpe_nd`` [N, rope]."""
+        for cache, new in ((self.ckv[layer_idx], ckv_nd), (self.kpe[layer_idx], kpe_nd)):
+            cache.view(-1, cache.shape[-1]).index_copy_(0, write_index, new.to(cache.dtype))
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ckv, self.kpe))

@@ -1,0 +1,105 @@
+"""The one DeviceMesh (axes "sp", "tp"), which TP ranks hold which KV head, and partner groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torch_cp.placement import ContextParallel, Mode
+
+AXES = ("sp", "tp")
+
+
+def init_mesh(tp: int = 1, sp: int = 1, device_type: str = "cuda") -> DeviceMesh:
+    """Build the job's DeviceMesh of shape (sp, tp), axes named ("sp", "tp").
+
+    Initialises the default process group from the environment (torchrun) when it is not yet
+    initialised: NCCL for "cuda", gloo for "cpu".
+    """
+    problems = [f"{name} must be >= 1, got {n}" for name, n in (("tp", tp), ("sp", sp)) if n < 1]
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if not problems and tp * sp != world:
+        problems.append(f"sp * tp = {sp} * {tp} = {sp * tp} does not match the world size {world}")
+    if problems:
+        raise ValueError("invalid mesh: " + "; ".join(problems))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return init_device_mesh(device_type, (sp, tp), mesh_dim_names=AXES)
+
+
+@dataclass(frozen=True)
+class KVHeadLayout:
+    """Which KV heads each of ``tp`` ranks holds.
+
+    With ``tp <= kv_heads`` rank r holds heads ``[r * kv_heads // tp, (r + 1) * kv_heads // tp)``.
+    With ``tp > kv_heads`` each head is replicated over ``replicas = tp // kv_heads`` consecutive
+    ranks: rank r holds head ``r // replicas``, which matches a contiguous split of the query heads.
+    """
+
+    kv_heads: int
+    tp: int
+
+    @property
+    def replicas(self) -> int:
+        return max(1, self.tp // self.kv_heads)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return max(1, self.kv_heads // self.tp)
+
+    def heads_of(self, tp_rank: int) -> range:
+        if self.tp > self.kv_heads:
+            head = tp_rank // self.replicas
+            return range(head, head + 1)
+        return range(tp_rank * self.heads_per_rank, (tp_rank + 1) * self.heads_per_rank)
+
+    def partner_index(self, tp_rank: int) -> int:
+        """Index of ``tp_rank`` among the ranks that hold its KV head."""
+        return tp_rank % self.replicas
+
+
+def kv_head_replicas(num_kv_heads: int, tp: int) -> KVHeadLayout:
+    """Decide which TP ranks hold which KV head; ValueError unless the heads split evenly."""
+    if num_kv_heads < 1 or tp < 1:
+        raise ValueError(f"need num_kv_heads >= 1 and tp >= 1, got {num_kv_heads} and {tp}")
+    if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
+        raise ValueError(
+            f"{num_kv_heads} KV heads do not split evenly over tp = {tp}: one must divide the other")
+    return KVHeadLayout(num_kv_heads, tp)
+
+
+def context_parallel_problems(mode: Mode, num_kv_heads: int, tp: int, sp: int) -> list[str]:
+    """Why context parallelism cannot run in ``mode`` for this mesh and model (empty when it can)."""
+    if mode == "tp" and tp <= num_kv_heads:
+        return [f"TP-mode context parallelism needs tp > kv_heads so that ranks share a KV head; "
+                f"got tp = {tp}, kv_heads = {num_kv_heads}"]
+    if mode == "sp" and sp < 2:
+        return [f"SP-mode context parallelism needs sp >= 2, got sp = {sp}"]
+    if mode not in ("tp", "sp"):
+        return [f"context-parallel mode must be 'tp' or 'sp', got {mode!r}"]
+    return []
+
+
+def partner_placement(mesh: DeviceMesh | None, mode: Mode, num_kv_heads: int) -> ContextParallel:
+    """This rank's placement: TP mode over the TP ranks sharing its KV head (MLA: pass 1 head, so
+    all TP ranks), SP mode over the SP ranks of its TP index."""
+    if mesh is None:
+        return ContextParallel.single()
+    tp, sp = mesh.size(AXES.index("tp")), mesh.size(AXES.index("sp"))
+    problems = context_parallel_problems(mode, num_kv_heads, tp, sp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if mode == "sp":
+        return ContextParallel(sp, mesh.get_local_rank("sp"), "sp", mesh.get_group("sp"))
+    layout = kv_head_replicas(num_kv_heads, tp)
+    tp_rank = mesh.get_local_rank("tp")
+    if layout.replicas == tp:
+        return ContextParallel(tp, tp_rank, "tp", mesh.get_group("tp"))
+    partners = DeviceMesh(mesh.device_type,
+                          mesh.mesh.view(sp, tp // layout.replicas, layout.replicas),
+                          mesh_dim_names=("sp", "kv", "partner"))
+    return ContextParallel(layout.replicas, layout.partner_index(tp_rank), "tp",
+                           partners.get_group("partner"))
