@@ -81,6 +81,9 @@ class StepPlan:
             attends the pool only. Otherwise rows also attend their own tokens causally.
         page_size, local_page_size, sink_page: pool geometry.
         placement: the partner this plan was built for.
+        token_index: [num_tokens] int64 index of each real token in the model's flattened
+            ``[batch * seq]`` input when that input is not packed (``model.generate`` with padded
+            rows); ``None`` when the input is the packed tokens themselves.
     """
 
     num_rows: int
@@ -99,6 +102,7 @@ class StepPlan:
     local_page_size: int
     sink_page: int
     placement: ContextParallel
+    token_index: torch.Tensor | None = None
 
     @property
     def kv_lens(self) -> torch.Tensor:
@@ -124,6 +128,7 @@ def build_step_plan(
     device: torch.device | str = "cpu",
     pad_rows_to: int | None = None,
     pad_tokens_to: int | None = None,
+    token_index: torch.Tensor | None = None,
 ) -> StepPlan:
     """Build the step plan for one partner.
 
@@ -135,6 +140,7 @@ def build_step_plan(
         sink_page: the reserved physical page non-owners and padding write to.
         placement: this partner's placement (default: one partner).
         pad_rows_to, pad_tokens_to: bucket sizes; padding rows have one token (decode) or none.
+        token_index: see ``StepPlan.token_index``.
     """
     placement = placement or ContextParallel.single()
     local_page = placement.local_page_size(page_size)
@@ -205,4 +211,5 @@ def build_step_plan(
         local_page_size=local_page,
         sink_page=sink_page,
         placement=placement,
+        token_index=None if token_index is None else token_index.to(dev),
     )
