@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed._functional_collectives as funcol
 
+# torch 2.13 renamed all_gather_tensor (2.11 on the GPU machine has only the old name).
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 from torch_cp.attention.partial import Partial
 from torch_cp.placement import ContextParallel
 
@@ -40,7 +43,7 @@ class Exchange:
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[X, ...] -> [P, X, ...] with partner p's tensor at index p."""
         self._record("all_gather", t)
-        out = funcol.all_gather_tensor(t.contiguous(), 0, self.placement.group)
+        out = _all_gather(t.contiguous(), 0, self.placement.group)
         return funcol.wait_tensor(out).view(self.placement.size, *t.shape)
 
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,52 @@
+"""Run a function on P gloo ranks spawned with torch.multiprocessing and collect what each returns.
+
+A spawn costs seconds, so a test module spawns once and runs all its cases inside the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, fn, args, folder: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        result = ("ok", fn(rank, world_size, *args))
+        dist.barrier()
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(world_size: int, fn, *args) -> list:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own gloo rank.
+
+    ``fn`` must be a module-level function; its result must pickle (CPU tensors, plain data).
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(world_size, fn, args, folder), nprocs=world_size, join=True)
+        outcomes = []
+        for rank in range(world_size):
+            with open(os.path.join(folder, f"rank{rank}.pkl"), "rb") as f:
+                outcomes.append(pickle.load(f))
+    errors = [f"rank {r}:\n{value}" for r, (status, value) in enumerate(outcomes)
+              if status == "error"]
+    if errors:
+        # A crash on one rank shows up on its peers as a closed connection: lead with the cause.
+        errors.sort(key=lambda e: "Connection closed by peer" in e)
+        raise RuntimeError("\n".join(errors))
+    return [value for _, value in outcomes]
