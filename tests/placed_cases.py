@@ -98,9 +98,14 @@ def dense_reference(t: Tensors, ctx: int, scale: float) -> torch.Tensor:
     return torch.stack(out)
 
 
-def run_case(case: Case, placement: ContextParallel, records: list | None = None):
+def run_case(case: Case, placement: ContextParallel, records: list | None = None,
+             pad_rows: int = 0, pad_tokens: int = 0, pad_fill: float | None = None):
     """Run the context step and the case's step on this partner; return (outputs, references)
-    for both steps as lists of [tokens, heads, Dv] tensors, restricted to this partner's heads."""
+    for both steps as lists of [tokens, heads, Dv] tensors, restricted to this partner's heads.
+
+    With ``pad_fill`` set, the case's step is padded to a bucket of ``pad_rows`` more rows (a
+    decode step) or ``pad_tokens`` more tokens (a mixed step); the padding's queries, keys and
+    values and the whole sink page hold ``pad_fill``. Outputs keep only the real tokens."""
     size = placement.size
     rows = rows_for(case, size)
     hq, hkv, dk, dv = dims_for(case, size)
@@ -126,25 +131,39 @@ def run_case(case: Case, placement: ContextParallel, records: list | None = None
         tables.append(pages[cursor: cursor + need])
         cursor += need
 
-    def step(spans):  # spans: (row, start, stop) of new tokens
+    def step(spans, padded=False):  # spans: (row, start, stop) of new tokens
+        buckets = {}
+        if padded:
+            buckets = dict(pad_rows_to=len(spans) + pad_rows,
+                           pad_tokens_to=sum(b - a for _, a, b in spans) + pad_tokens)
         plan = build_step_plan([b - a for _, a, b in spans], [a for _, a, _ in spans],
                                [tables[r] for r, _, _ in spans], page_size=PAGE_SIZE,
-                               sink_page=pool.sink_page, placement=placement)
+                               sink_page=pool.sink_page, placement=placement, **buckets)
         attention.backend.plan(plan)
-        cat = lambda name: torch.cat([getattr(tensors[r], name)[a:b] for r, a, b in spans])
+        extra = plan.positions.shape[0] - plan.num_tokens
+
+        def cat(name):
+            real = torch.cat([getattr(tensors[r], name)[a:b] for r, a, b in spans])
+            return torch.cat((real, torch.full((extra, *real.shape[1:]), pad_fill or 0.0,
+                                               dtype=real.dtype)))
+
         q = cat("q")[:, head_slice]
         if case.kind == "gqa":
             k, v = cat("k"), cat("v")
         else:
             latent = cat("k")[:, 0]
             k, v = latent[:, :dv], latent[:, dv:]
-        out = attention(q, k, v, pool, plan)
+        out = attention(q, k, v, pool, plan)[: plan.num_tokens]
         ref = torch.cat([_ref_tail(tensors[r], a, b, scale) for r, a, b in spans])
         return out, ref[:, head_slice].to(torch.float32)
 
     context_spans = [(r, 0, ctx) for r, (ctx, _) in enumerate(rows) if ctx > 0]
     results = [step(context_spans)]
-    results.append(step([(r, ctx, ctx + q) for r, (ctx, q) in enumerate(rows)]))
+    if pad_fill is not None:
+        for t in (pool.kv,) if case.kind == "gqa" else (pool.ckv, pool.kpe):
+            t[:, pool.sink_page] = pad_fill
+    results.append(step([(r, ctx, ctx + q) for r, (ctx, q) in enumerate(rows)],
+                        padded=pad_fill is not None))
     return results
 
 
