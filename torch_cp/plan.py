@@ -38,9 +38,11 @@ class PagedIndptrs:
 
 
 def paged_indptrs(
-    lens: torch.Tensor, page_tables: Sequence[Sequence[int]], page_size: int, sink_page: int
+    lens: torch.Tensor, page_tables: Sequence[Sequence[int]], page_size: int, sink_page: int,
+    table_width: int | None = None,
 ) -> PagedIndptrs:
-    """CSR over pages of ``page_size`` slots for rows of ``lens`` tokens (host tensors)."""
+    """CSR over pages of ``page_size`` slots for rows of ``lens`` tokens (host tensors); the dense
+    table is ``table_width`` pages wide (default: the longest page table)."""
     lens = lens.to(torch.int64)
     pages = (lens + page_size - 1) // page_size
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
@@ -48,6 +50,10 @@ def paged_indptrs(
     indices = [p for table, n in zip(page_tables, pages.tolist()) for p in table[:n]]
     last = torch.where(lens > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
     width = max(1, max((len(t) for t in page_tables), default=1))
+    if table_width is not None:
+        if table_width < width:
+            raise ValueError(f"a page table of {width} pages exceeds table_width {table_width}")
+        width = table_width
     table = torch.full((len(lens), width), sink_page, dtype=torch.int32)
     for b, t in enumerate(page_tables):
         table[b, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
@@ -112,7 +118,8 @@ class StepPlan:
         """The same step with rows attending only their cached context from the pool."""
         lens = self.placement.local_length(self.ctx_lens.cpu())
         tables = self.context_host.table.tolist()
-        host = paged_indptrs(lens, tables, self.local_page_size, self.sink_page)
+        host = paged_indptrs(lens, tables, self.local_page_size, self.sink_page,
+                             table_width=len(tables[0]) if tables else None)
         return replace(self, context=host.to(self.positions.device), context_host=host,
                        is_decode=False)
 
@@ -129,6 +136,7 @@ def build_step_plan(
     pad_rows_to: int | None = None,
     pad_tokens_to: int | None = None,
     token_index: torch.Tensor | None = None,
+    table_width: int | None = None,
 ) -> StepPlan:
     """Build the step plan for one partner.
 
@@ -141,17 +149,24 @@ def build_step_plan(
         placement: this partner's placement (default: one partner).
         pad_rows_to, pad_tokens_to: bucket sizes; padding rows have one token (decode) or none.
         token_index: see ``StepPlan.token_index``.
+        table_width: pages in each row of the dense page table (a bucket fixes it).
     """
     placement = placement or ContextParallel.single()
-    local_page = placement.local_page_size(page_size)
     rows = len(q_lens)
+    problems = []
+    try:
+        local_page = placement.local_page_size(page_size)
+    except ValueError as e:
+        problems.append(str(e))
     if not (rows == len(ctx_lens) == len(page_tables)):
-        raise ValueError("q_lens, ctx_lens and page_tables must have one entry per row")
+        problems.append("q_lens, ctx_lens and page_tables must have one entry per row")
     if any(q < 1 for q in q_lens):
-        raise ValueError(f"every row needs at least one new token, got q_lens={list(q_lens)}")
+        problems.append(f"every row needs at least one new token, got q_lens={list(q_lens)}")
     for b, (q, c, t) in enumerate(zip(q_lens, ctx_lens, page_tables)):
         if len(t) * page_size < q + c:
-            raise ValueError(f"row {b}: {len(t)} pages cannot hold {q + c} tokens")
+            problems.append(f"row {b}: {len(t)} pages cannot hold {q + c} tokens")
+    if problems:
+        raise ValueError("invalid step: " + "; ".join(problems))
     is_decode = all(q == 1 for q in q_lens)
     num_tokens = sum(q_lens)
     padded_rows = max(pad_rows_to or rows, rows)
@@ -191,7 +206,8 @@ def build_step_plan(
     write_index = physical_pages * local_page + slots
 
     attend = c_t + q_t if is_decode else c_t
-    host = paged_indptrs(placement.local_length(attend), tables, local_page, sink_page)
+    host = paged_indptrs(placement.local_length(attend), tables, local_page, sink_page,
+                         table_width)
     dev = torch.device(device)
     i32 = torch.int32
     return StepPlan(

@@ -1,0 +1,125 @@
+"""Capture a patched model's whole step per bucket and replay it after planning on the host.
+
+Padding rows and tokens of a bucket point at the sink page (see ``build_step_plan``), so their
+writes never touch a real page and their keys are masked from every real row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from torch_cp.graphs.buckets import Bucket, pick_bucket
+from torch_cp.graphs.static_plan import StaticPlan
+from torch_cp.plan import build_step_plan
+
+log = logging.getLogger("torch_cp")
+
+
+class _Captured:
+    """One bucket's graph and its static inputs and outputs."""
+
+    def __init__(self, bucket: Bucket, static: StaticPlan, device):
+        self.bucket = bucket
+        self.static = static
+        self.input_ids = torch.zeros(1, bucket.tokens, dtype=torch.long, device=device)
+        self.logit_tokens = torch.zeros(bucket.rows, dtype=torch.long, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+
+class CUDAGraphRunner:
+    """Runs a patched model's steps from CUDA graphs captured per bucket.
+
+    Args:
+        model: a model patched by ``torch_cp.patch_model`` on CUDA.
+        cache: its ``PagedKVCache`` (the pool the graphs write and read).
+        buckets: shapes to capture (``default_buckets``).
+        max_pages_per_row: the page-table width every bucket is captured with.
+
+    Attributes:
+        pad_token_id: the input id of padding tokens (their outputs are never read).
+    """
+
+    def __init__(self, model, cache, buckets: Sequence[Bucket], max_pages_per_row: int):
+        if not buckets:
+            raise ValueError("CUDAGraphRunner needs at least one bucket")
+        self.model = model
+        self.cache = cache
+        self.buckets = sorted(set(buckets))
+        self.width = max_pages_per_row
+        self.device = cache.runtime.device
+        self.captured: dict[Bucket, _Captured] = {}
+        self.pad_token_id = 0
+        # transformers 5.24 names the forward's cache argument ``cache``; 5.23 ``past_key_values``.
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables):
+        return build_step_plan(
+            q_lens, ctx_lens, tables, page_size=self.cache.pool.page_size,
+            sink_page=self.cache.pool.sink_page, placement=self.cache.runtime.placement,
+            device=self.device, pad_rows_to=bucket.rows,
+            pad_tokens_to=None if bucket.decode else bucket.tokens, table_width=self.width)
+
+    def _forward(self, c: _Captured) -> torch.Tensor:
+        out = self.model(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
+                         use_cache=False, logits_to_keep=c.logit_tokens,
+                         **{self.cache_kwarg: self.cache})
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one memory pool. Every row of a capture step is
+        padding, so its writes land on the sink page."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bucket in sorted(self.buckets, reverse=True):
+            static = StaticPlan(self._plan(bucket, [], [], []))
+            c = _Captured(bucket, static, self.device)
+            self.cache.begin_step(static.plan)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm lazy initialisation outside the capture
+                    self._forward(c)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            with torch.cuda.graph(c.graph, pool=pool, stream=stream):
+                c.logits = self._forward(c)
+            self.captured[bucket] = c
+        torch.cuda.synchronize(self.device)
+        log.info("torch_cp: captured %d CUDA-graph buckets", len(self.captured))
+
+    def bucket_for(self, q_lens: Sequence[int], max_pages: int) -> Bucket | None:
+        if max_pages > self.width:
+            return None
+        decode = all(q == 1 for q in q_lens)
+        return pick_bucket(list(self.captured), len(q_lens), sum(q_lens), decode)
+
+    @torch.inference_mode()
+    def step(self, token_ids: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
+             tables: Sequence[Sequence[int]], logit_rows: Sequence[int]) -> torch.Tensor | None:
+        """Run one step from its bucket's graph.
+
+        Args:
+            token_ids: the step's new tokens, row after row.
+            q_lens, ctx_lens, tables: per row, as for ``build_step_plan``.
+            logit_rows: rows whose last token's logits are wanted.
+        Returns:
+            [len(logit_rows), vocab] logits, or None when no captured bucket fits (run eagerly).
+        """
+        bucket = self.bucket_for(q_lens, max((len(t) for t in tables), default=0))
+        if bucket is None:
+            return None
+        c = self.captured[bucket]
+        plan = c.static.load(self._plan(bucket, q_lens, ctx_lens, tables))
+        self.cache.begin_step(plan)
+        ends = plan.qo_indptr_host[1:].long() - 1
+        c.input_ids.fill_(self.pad_token_id)
+        c.input_ids[0, : len(token_ids)].copy_(torch.tensor(token_ids, dtype=torch.long))
+        c.logit_tokens.zero_()
+        c.logit_tokens[: len(logit_rows)].copy_(ends[list(logit_rows)])
+        c.graph.replay()
+        return c.logits[: len(logit_rows)]
