@@ -39,7 +39,8 @@ class Case:
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return f"{self.mode}-{self.kind}-{self.batch}-g{self.group}-h{self.kv_heads}-{dt}-s{self.seed}"
+        return (f"{self.mode}-{self.kind}-{self.batch}-g{self.group}-h{self.kv_heads}-{dt}"
+                f"-s{self.seed}")
 
 
 def rows_for(case: Case, size: int) -> list[tuple[int, int]]:
@@ -48,8 +49,9 @@ def rows_for(case: Case, size: int) -> list[tuple[int, int]]:
     rng = random.Random(case.seed)
     if case.batch == "decode":
         return [(c, 1) for c in [0, 1, size - 1, 7, 8, 9, rng.randint(10, 40), rng.randint(10, 40)]]
-    return [(rng.randint(5, 30), 1), (0, rng.randint(2, 13)), (rng.randint(3, 25), rng.randint(2, 6)),
-            (0, 1), (1, max(1, size - 2)), (rng.randint(9, 17), 1), (0, size), (16, 8)]
+    return [(rng.randint(5, 30), 1), (0, rng.randint(2, 13)),
+            (rng.randint(3, 25), rng.randint(2, 6)), (0, 1), (1, max(1, size - 2)),
+            (rng.randint(9, 17), 1), (0, size), (16, 8)]
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from multirank import run_ranks
 from placed_cases import Case, run_case, tolerance
+
 from torch_cp.placement import ContextParallel
 
 CASES = [

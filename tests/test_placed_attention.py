@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-from placed_cases import Case, run_case, tolerance
 from multirank import run_ranks
+from placed_cases import Case, run_case, tolerance
+
 from torch_cp.placement import ContextParallel
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -52,8 +52,9 @@ def test_placed_equals_dense(ranks, case):
         steps, _ = results[case.id]
         for step, (out, ref) in enumerate(steps):
             assert torch.isfinite(out).all(), f"rank {rank} step {step}: non-finite output"
+            where = f"P={size} rank {rank} step {step}"
             torch.testing.assert_close(out, ref, **tolerance(case.dtype),
-                                       msg=lambda m: f"P={size} rank {rank} step {step}: {m}")
+                                       msg=lambda m, where=where: f"{where}: {m}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -67,12 +67,13 @@ def kv_head_replicas(num_kv_heads: int, tp: int) -> KVHeadLayout:
         raise ValueError(f"need num_kv_heads >= 1 and tp >= 1, got {num_kv_heads} and {tp}")
     if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
         raise ValueError(
-            f"{num_kv_heads} KV heads do not split evenly over tp = {tp}: one must divide the other")
+            f"{num_kv_heads} KV heads do not split evenly over tp = {tp}: "
+            f"one must divide the other")
     return KVHeadLayout(num_kv_heads, tp)
 
 
 def context_parallel_problems(mode: Mode, num_kv_heads: int, tp: int, sp: int) -> list[str]:
-    """Why context parallelism cannot run in ``mode`` for this mesh and model (empty when it can)."""
+    """Why context parallelism cannot run in ``mode`` on this mesh (empty when it can)."""
     if mode == "tp" and tp <= num_kv_heads:
         return [f"TP-mode context parallelism needs tp > kv_heads so that ranks share a KV head; "
                 f"got tp = {tp}, kv_heads = {num_kv_heads}"]
@@ -90,11 +91,16 @@ def partner_placement(mesh: DeviceMesh | None, mode: Mode, num_kv_heads: int) ->
         return ContextParallel.single()
     tp, sp = mesh.size(AXES.index("tp")), mesh.size(AXES.index("sp"))
     problems = context_parallel_problems(mode, num_kv_heads, tp, sp)
+    layout = None
+    if mode == "tp":
+        try:
+            layout = kv_head_replicas(num_kv_heads, tp)
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         raise ValueError("; ".join(problems))
     if mode == "sp":
         return ContextParallel(sp, mesh.get_local_rank("sp"), "sp", mesh.get_group("sp"))
-    layout = kv_head_replicas(num_kv_heads, tp)
     tp_rank = mesh.get_local_rank("tp")
     if layout.replicas == tp:
         return ContextParallel(tp, tp_rank, "tp", mesh.get_group("tp"))

@@ -1,12 +1,13 @@
 """Where a token's KV lives when P partners stripe one paged pool.
 
 Logical slot ``s`` of a page (``0 <= s < page_size``) lives on partner ``s % P`` at physical slot
-``s // P`` of the same page id. Because ``page_size % P == 0``, a token at sequence position ``t``
-has ``t % P == (t % page_size) % P``, so ownership is ``t % P`` and partner ``r`` holds the tokens
-``r, r + P, r + 2P, ...`` of every row, packed densely into pages of ``page_size // P`` slots under the
-same (logical) page ids. Partner ``r`` therefore sees an ordinary paged cache of page size
-``page_size // P`` whose row of ``L`` tokens has ``local_length(L) = ceil((L - r) / P)`` tokens (0 when
-``L <= r``). A non-owner writes every token to the sink page, so all partners run the same write.
+``s // P`` of the same page id. Because ``page_size % P == 0``, a token at sequence position
+``t`` has ``t % P == (t % page_size) % P``, so ownership is ``t % P`` and partner ``r`` holds the
+tokens ``r, r + P, r + 2P, ...`` of every row, packed densely into pages of ``page_size // P``
+slots under the same (logical) page ids. Partner ``r`` therefore sees an ordinary paged cache of
+page size ``page_size // P`` whose row of ``L`` tokens has ``local_length(L) = ceil((L - r) / P)``
+tokens (0 when ``L <= r``). A non-owner writes every token to the sink page, so all partners run
+the same write.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ContextParallel:
         return offset // self.size
 
     def local_length(self, length, rank: int | None = None):
-        """Tokens among positions ``[0, length)`` that partner ``rank`` (default: this one) holds."""
+        """Tokens among positions ``[0, length)`` that partner ``rank`` (default: this) holds."""
         r = self.rank if rank is None else rank
         if isinstance(length, torch.Tensor):
             return torch.clamp(length - r + self.size - 1, min=0) // self.size
@@ -86,8 +87,8 @@ class ContextParallel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Map logical (page id, slot in page) of new tokens to this partner's physical slots.
 
-        The owner (``offset % P == rank``) writes ``(page, offset // P)``; every other partner writes
-        ``(sink_page, offset // P)``, so the write has the same shape on every partner.
+        The owner (``offset % P == rank``) writes ``(page, offset // P)``; every other partner
+        writes ``(sink_page, offset // P)``, so the write has the same shape on every partner.
         """
         own = self.owner(offsets) == self.rank
         physical_pages = torch.where(own, pages, torch.full_like(pages, sink_page))

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed._functional_collectives as funcol
 
-# torch 2.13 renamed all_gather_tensor (2.11 on the GPU machine has only the old name).
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-
 from torch_cp.attention.partial import Partial
 from torch_cp.placement import ContextParallel
+
+# torch 2.13 renamed all_gather_tensor (2.11 on the GPU machine has only the old name).
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class Exchange:
         return funcol.wait_tensor(out).view(self.placement.size, *t.shape)
 
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """[P, X, ...] -> [P, X, ...]: chunk p goes to partner p; index p holds partner p's chunk."""
+        """[P, X, ...] -> [P, X, ...]: chunk p goes to partner p; index p then holds partner
+        p's chunk."""
         self._record("all_to_all", t)
         out = funcol.all_to_all_single(t.contiguous(), None, None, self.placement.group)
         return funcol.wait_tensor(out)

@@ -32,7 +32,7 @@ class ContextParallelAttention(nn.Module):
                 plan: StepPlan) -> torch.Tensor:
         """Args:
             q: [N, H, Dk] this rank's query heads (MLA: absorbed ``q_nope | q_pe``).
-            k, v: the step's new keys/values, [N, Hkv, D] (MLA: ``ckv`` [N, R] and ``kpe`` [N, rope]).
+            k, v: the step's new keys/values, [N, Hkv, D] (MLA: ``ckv`` [N, R], ``kpe`` [N, rope]).
             pool: the layer's placed pool (``GQAPool`` or ``MLAPool``).
             plan: the step plan (built for this partner).
         Returns:

@@ -1,4 +1,4 @@
-"""Partials of attention and their exact merge. LSE is base 2 everywhere (FlashInfer's convention)."""
+"""Partials of attention and their exact merge. LSE is base 2 everywhere (FlashInfer's way)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ class PageAllocator:
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+            raise ValueError(
+                f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
@@ -37,7 +38,8 @@ class PageAllocator:
         return self.missing_pages(request_id, num_tokens) <= len(self._free)
 
     def reserve(self, request_id, num_tokens: int) -> bool:
-        """Grow ``request_id``'s table to hold ``num_tokens`` tokens; False (no change) if it can't."""
+        """Grow ``request_id``'s table to hold ``num_tokens`` tokens; False (and no change) if
+        the free pages cannot."""
         missing = self.missing_pages(request_id, num_tokens)
         if missing > len(self._free):
             return False

@@ -12,7 +12,7 @@ from torch_cp.placement import ContextParallel
 
 
 class GQAPool:
-    """K/V of every layer: ``kv[layer]`` is ``[num_pages + 1, 2, page_size // P, kv_heads, head_dim]``.
+    """K/V of every layer: ``kv[layer]`` is [num_pages + 1, 2, page_size // P, kv_heads, head_dim].
 
     Args:
         num_layers, num_pages: layers and logical pages (the sink page is added).
@@ -74,7 +74,8 @@ class MLAPool:
 
     def write(self, layer_idx: int, ckv_nd: torch.Tensor, kpe_nd: torch.Tensor,
               write_index: torch.Tensor) -> None:
-        """Store new tokens' latent ``ckv_nd`` [N, kv_lora_rank] and rope key ``kpe_nd`` [N, rope]."""
+        """Store new tokens' latent ``ckv_nd`` [N, kv_lora_rank] and rope key ``kpe_nd``
+        [N, rope] at flat physical slots."""
         for cache, new in ((self.ckv[layer_idx], ckv_nd), (self.kpe[layer_idx], kpe_nd)):
             cache.view(-1, cache.shape[-1]).index_copy_(0, write_index, new.to(cache.dtype))
 
