@@ -9,9 +9,11 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
+from torch_cp.attention.flashinfer_gqa import GraphBucket
 from torch_cp.graphs.buckets import Bucket, pick_bucket
 from torch_cp.graphs.static_plan import StaticPlan
 from torch_cp.plan import build_step_plan
@@ -59,11 +61,12 @@ class CUDAGraphRunner:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables):
-        return build_step_plan(
+        plan = build_step_plan(
             q_lens, ctx_lens, tables, page_size=self.cache.pool.page_size,
             sink_page=self.cache.pool.sink_page, placement=self.cache.runtime.placement,
             device=self.device, pad_rows_to=bucket.rows,
             pad_tokens_to=None if bucket.decode else bucket.tokens, table_width=self.width)
+        return replace(plan, graph_bucket=(bucket.rows, bucket.tokens))
 
     def _forward(self, c: _Captured) -> torch.Tensor:
         out = self.model(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
@@ -77,7 +80,11 @@ class CUDAGraphRunner:
         padding, so its writes land on the sink page."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        backend = self.cache.runtime.backend
         for bucket in sorted(self.buckets, reverse=True):
+            if hasattr(backend, "add_bucket"):
+                backend.add_bucket(GraphBucket(bucket.rows, bucket.tokens,
+                                               max_pages=bucket.rows * self.width))
             static = StaticPlan(self._plan(bucket, [], [], []))
             c = _Captured(bucket, static, self.device)
             self.cache.begin_step(static.plan)

@@ -90,6 +90,8 @@ class StepPlan:
         token_index: [num_tokens] int64 index of each real token in the model's flattened
             ``[batch * seq]`` input when that input is not packed (``model.generate`` with padded
             rows); ``None`` when the input is the packed tokens themselves.
+        graph_bucket: (rows, tokens) of the captured CUDA-graph bucket this step replays, or
+            None for an eager step; backends keep graph-ready kernels per bucket.
     """
 
     num_rows: int
@@ -109,6 +111,7 @@ class StepPlan:
     sink_page: int
     placement: ContextParallel
     token_index: torch.Tensor | None = None
+    graph_bucket: tuple[int, int] | None = None
 
     @property
     def kv_lens(self) -> torch.Tensor:

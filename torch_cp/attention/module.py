@@ -7,7 +7,13 @@ from torch import nn
 
 from torch_cp.attention.backend import AttentionBackend
 from torch_cp.attention.exchange import Exchange
-from torch_cp.attention.partial import merge_partials, merge_two
+from torch_cp.attention.ops import (
+    context_partial,
+    own_partial,
+    pool_layer_tensors,
+    register_backend,
+)
+from torch_cp.attention.partial import Partial, merge_partials, merge_two
 from torch_cp.plan import StepPlan
 
 
@@ -19,7 +25,8 @@ class ContextParallelAttention(nn.Module):
     (TP mode: for every partner's query heads); the partials are exchanged and merged exactly.
     A decode step's rows attend the pool after their token is written. Other steps attend the
     cached context from the pool and their own tokens causally from the K/V passed in, and the two
-    partials merge once.
+    partials merge once. The backend's kernels run as custom ops (``torch_cp.attention.ops``), so
+    the whole forward compiles.
     """
 
     def __init__(self, layer_idx: int, backend: AttentionBackend, exchange: Exchange):
@@ -27,6 +34,7 @@ class ContextParallelAttention(nn.Module):
         self.layer_idx = layer_idx
         self.backend = backend
         self.exchange = exchange
+        self.handle = register_backend(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool,
                 plan: StepPlan) -> torch.Tensor:
@@ -42,11 +50,12 @@ class ContextParallelAttention(nn.Module):
         placement = self.exchange.placement
         tp_mode = placement.size > 1 and placement.mode == "tp"
         q_context = self.exchange.gather_heads(q) if tp_mode else q
-        partial = self.backend.run_context(q_context, pool, self.layer_idx)
+        partial = Partial(*context_partial(q_context, pool_layer_tensors(pool, self.layer_idx),
+                                           self.handle, self.layer_idx))
         if placement.size > 1:
             exchanged = (self.exchange.return_partials(partial) if tp_mode
                          else self.exchange.gather_partials(partial))
             partial = merge_partials(*exchanged)
         if not plan.is_decode:
-            partial = merge_two(partial, self.backend.run_own(q, k, v))
+            partial = merge_two(partial, Partial(*own_partial(q, k, v, self.handle)))
         return partial.out

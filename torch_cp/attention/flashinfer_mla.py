@@ -1,0 +1,264 @@
+"""FlashInfer partial attention over a placed MLA latent pool (``BatchMLAPagedAttentionWrapper``).
+
+The absorbed query ``q [N, H, kv_lora_rank + rope_dim]`` is passed as split views
+``(q_nope, q_pe)`` and the pool as its ``(ckv, kpe)`` layer views, so nothing is copied. The
+context partial is non-causal over context-only local lengths (a decode step's ``ctx + 1``,
+written first). A multi-token step's own tokens run through a second MLA wrapper, causal, over a
+page-size-1 view of the step's own ``ckv``/``kpe`` (page i is token i: zero copies, prebuilt
+kernels, FA3 on Hopper). Where FlashInfer 0.7.2's causal MLA kernels would drop a key (its query
+tile is not a multiple of the head count, e.g. 20 heads) the own tokens fall back to a chunked
+dense torch kernel. Padding follows ``flashinfer_gqa``: padding rows get no pages, token padding
+is one more planned row, padding tokens' own K/V are zeroed.
+
+FlashInfer's FA MLA planner refuses more than 16384 work items. ``mla_work_items`` bounds the
+count from query lengths alone, so every partner refuses the same step before planning
+(``PlannerCapExceeded``) and the engine can retry with fewer rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torch_cp.attention.backend import AttentionGeometry
+from torch_cp.attention.flashinfer_gqa import (
+    WORKSPACE_BYTES,
+    GraphBucket,
+    _PlanFence,
+    check_bucket,
+    real_rows_view,
+    real_token_mask,
+    staged,
+    with_token_padding_row,
+)
+from torch_cp.attention.partial import Partial
+from torch_cp.plan import StepPlan
+from torch_cp.scheduler import StepRefused
+
+FA_MAX_WORK_ITEMS = 16384
+LN2 = math.log(2.0)
+
+
+class PlannerCapExceeded(StepRefused, ValueError):
+    """A step needs more MLA planner work items than FlashInfer accepts; the engine retries it
+    with fewer rows (a ``StepRefused``)."""
+
+    def __init__(self, work_items: int, cap: int, num_rows: int, num_heads: int):
+        super().__init__(f"MLA step of {num_rows} rows x {num_heads} heads needs up to "
+                         f"{work_items} planner work items; FlashInfer's cap is {cap}")
+        self.work_items = work_items
+        self.cap = cap
+        self.num_rows = num_rows
+        self.num_heads = num_heads
+
+
+def _query_tile(q_lens: Sequence[int], num_heads: int) -> int:
+    """FA MLA query tile: 64 rows, or 128 (a 2-CTA cluster) when the mean ``q * H`` > 64."""
+    return 128 if sum(q_lens) * num_heads // max(len(q_lens), 1) > 64 else 64
+
+
+def mla_work_items(q_lens: Sequence[int], num_heads: int, num_sms: int) -> int:
+    """Upper bound of FlashInfer 0.7.2's FA MLA planner work items, from query lengths alone.
+
+    The planner makes ``ceil(q * H / tile)`` query tiles per row and splits each tile's KV at a
+    limit no smaller than the mean KV per cluster, so the splits add at most ``clusters =
+    num_sms // cluster_size`` items to one item per tile, whatever the KV lengths are (which
+    differ between partners). The bound is within ``clusters`` of the planner's count.
+
+    Args:
+        q_lens: query tokens of every planned row (padding rows and the token-padding row too).
+        num_heads: query heads the kernel sees (``context_q_heads`` for the context).
+        num_sms: streaming multiprocessors of the device.
+    """
+    if not q_lens:
+        return 0
+    tile = _query_tile(q_lens, num_heads)
+    tiles = sum((q * num_heads + tile - 1) // tile for q in q_lens)
+    return tiles + num_sms // (tile // 64)
+
+
+def check_mla_work_items(q_lens: Sequence[int], num_heads: int, num_sms: int,
+                         num_rows: int | None = None) -> int:
+    """Raise ``PlannerCapExceeded`` when ``mla_work_items`` exceeds the cap; else return it."""
+    items = mla_work_items(q_lens, num_heads, num_sms)
+    if items > FA_MAX_WORK_ITEMS:
+        raise PlannerCapExceeded(items, FA_MAX_WORK_ITEMS,
+                                 len(q_lens) if num_rows is None else num_rows, num_heads)
+    return items
+
+
+def causal_mla_on_flashinfer(q_lens: Sequence[int], num_heads: int) -> bool:
+    """FlashInfer 0.7.2 plans causal MLA exactly only when the query tile is a multiple of H."""
+    return _query_tile(q_lens, num_heads) % num_heads == 0
+
+
+def dense_own_mla(q: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, real: torch.Tensor,
+                  token_row: torch.Tensor, scale: float, max_elements: int = 1 << 26) -> Partial:
+    """Causal attention of each real token over its row's own tokens, in float32 chunks.
+
+    Args:
+        q: [N, H, R + rope]; ckv: [N, R]; kpe: [N, rope]; real: [N] bool; token_row: [N].
+    Returns:
+        out [N, H, R] in q's dtype, lse [N, H] base 2 (0 and -inf for padding tokens).
+    """
+    n, h, _ = q.shape
+    keys = torch.cat((ckv, kpe), -1).float().masked_fill(~real[:, None], 0)  # [N, R + rope]
+    values = ckv.float().masked_fill(~real[:, None], 0)
+    index = torch.arange(n, device=q.device)
+    chunk = max(1, max_elements // max(1, h * n))
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    outs, lses = [], []
+    for start in range(0, n, chunk):
+        rows = slice(start, min(n, start + chunk))
+        scores = torch.einsum("chd,nd->chn", q[rows].float(), keys) * scale
+        visible = ((token_row[None, :] == token_row[rows, None])
+                   & (index[None, :] <= index[rows, None]) & real[rows, None])
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # [C, H]
+        finite = torch.isfinite(lse)
+        probs = torch.exp(scores - torch.where(finite, lse, zero).unsqueeze(-1))
+        out = torch.where(finite.unsqueeze(-1), torch.einsum("chn,nr->chr", probs, values), zero)
+        outs.append(out.to(q.dtype))
+        lses.append(lse / LN2)
+    return Partial(torch.cat(outs), torch.cat(lses))
+
+
+class FlashInferMLABackend:
+    """FlashInfer partials over this partner's slots of an ``MLAPool`` (see ``AttentionBackend``).
+
+    Args:
+        geometry: absorbed MLA shapes (``head_dim = kv_lora_rank + rope_dim``).
+        device: a CUDA device.
+        dtype: query and pool dtype.
+        fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
+        own_tokens: ``"auto"`` (FlashInfer where it plans causal MLA exactly, else torch),
+            ``"flashinfer"`` or ``"torch"``.
+        graph_bucket: make the wrappers CUDA-graph ready with fixed buffers for this bucket.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
+                 dtype: torch.dtype = torch.bfloat16, fa_backend: str | None = None,
+                 own_tokens: str = "auto", graph_bucket: GraphBucket | None = None):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+        problems = []
+        if geometry.kind != "mla":
+            problems.append(f"geometry kind is {geometry.kind!r}, not 'mla'")
+        if geometry.head_dim != geometry.kv_lora_rank + geometry.rope_dim:
+            problems.append(f"head_dim {geometry.head_dim} != kv_lora_rank + rope_dim")
+        if own_tokens not in ("auto", "flashinfer", "torch"):
+            problems.append(f"own_tokens must be 'auto', 'flashinfer' or 'torch', "
+                            f"got {own_tokens!r}")
+        if problems:
+            raise ValueError("FlashInferMLABackend: " + "; ".join(problems))
+        self.geometry = geometry
+        self.device = torch.device(device)
+        self.dtype = dtype
+        props = torch.cuda.get_device_properties(self.device)
+        self.num_sms = props.multi_processor_count
+        self.fa_backend = fa_backend or ("fa3" if props.major == 9 else "fa2")
+        self.own_tokens = own_tokens
+        self._metadata = MLAPlanMetadata
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # One context wrapper per step kind: their indptrs differ by the token-padding row.
+        self.graph_bucket = graph_bucket
+        buffers = self._graph_buffers(graph_bucket)
+        self._wrappers = {
+            name: BatchMLAPagedAttentionWrapper(
+                self._workspace, use_cuda_graph=graph_bucket is not None, backend=self.fa_backend,
+                **buffers.get(name, {}))
+            for name in ("decode", "context", "own")}
+        self._fences = {name: _PlanFence(self.device) for name in self._wrappers}
+        self._plan: StepPlan | None = None
+        self._own_on_flashinfer = False
+        self._real: torch.Tensor | None = None  # [N] tokens of real rows
+        self._padding: torch.Tensor | None = None  # [N, 1] the others
+        self._token_row: torch.Tensor | None = None  # [N] plan.token_row
+
+    def _graph_buffers(self, bucket: GraphBucket | None) -> dict:
+        if bucket is None:
+            return {}
+
+        def csr(rows: int, indices: int) -> dict:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            return dict(qo_indptr=torch.zeros(rows + 1, **i32),
+                        kv_indptr=torch.zeros(rows + 1, **i32),
+                        kv_indices=torch.zeros(indices, **i32),
+                        kv_len_arr=torch.zeros(rows, **i32))
+
+        rows = bucket.rows + 1  # the token-padding row of multi-token steps
+        return {"decode": csr(bucket.rows, bucket.max_pages),
+                "context": csr(rows, bucket.max_pages), "own": csr(rows, bucket.tokens)}
+
+    def _plan_wrapper(self, name: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
+                      kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int,
+                      page_size: int, causal: bool) -> None:
+        g = self.geometry
+        self._fences[name].wait()
+        self._wrappers[name].plan(
+            metadata=self._metadata.csr(qo, kv_indptr, kv_indices, kv_lens),
+            num_heads=num_heads, head_dim_ckv=g.kv_lora_rank, head_dim_kpe=g.rope_dim,
+            page_size=page_size, causal=causal, sm_scale=g.scale, q_data_type=self.dtype,
+            kv_data_type=self.dtype, query_layout="split", kv_cache_layout="split",
+            lse_mode="base2")
+        self._fences[name].mark()
+
+    def plan(self, plan: StepPlan) -> None:
+        """Plan the step from host indptrs; ``PlannerCapExceeded`` before planning anything."""
+        g = self.geometry
+        check_bucket(plan, self.graph_bucket)
+        ctx = real_rows_view(plan.context_host, plan.num_rows)
+        if plan.is_decode:
+            qo, kv_indptr, kv_lens = plan.qo_indptr_host, ctx.indptr, ctx.lens
+        else:
+            qo = with_token_padding_row(plan.qo_indptr_host, plan.positions.shape[0])
+            kv_indptr = torch.cat((ctx.indptr, ctx.indptr[-1:]))
+            kv_lens = torch.cat((ctx.lens, ctx.lens.new_zeros(1)))
+        q_lens_t = (qo[1:] - qo[:-1]).to(torch.int32)
+        q_lens = q_lens_t.tolist()
+        check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
+        own = not plan.is_decode and (
+            self.own_tokens == "flashinfer"
+            or (self.own_tokens == "auto" and causal_mla_on_flashinfer(q_lens, g.q_heads)))
+        if own:
+            check_mla_work_items(q_lens, g.q_heads, self.num_sms, plan.num_rows)
+        name = "decode" if plan.is_decode else "context"
+        self._plan_wrapper(name, qo, kv_indptr, ctx.indices, kv_lens, g.context_q_heads,
+                           plan.local_page_size, causal=False)
+        if own:
+            tokens = torch.arange(int(qo[-1]), dtype=torch.int32)
+            self._plan_wrapper("own", qo, qo, tokens, q_lens_t, g.q_heads, 1, causal=True)
+        self._own_on_flashinfer = own
+        if not plan.is_decode:  # in place: captured kernels keep reading these tensors
+            self._real = staged(self._real, real_token_mask(plan))
+            self._padding = staged(self._padding, ~self._real.unsqueeze(-1))
+            self._token_row = staged(self._token_row, plan.token_row)
+        self._plan = plan
+
+    def _split(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.geometry.kv_lora_rank
+        return q[..., :r], q[..., r:]
+
+    def run_context(self, q: torch.Tensor, pool, layer_idx: int) -> Partial:
+        """q [N, context_q_heads, R + rope] over this partner's slots -> Partial [N, H, R]."""
+        assert self._plan is not None, "plan() must run before run_context()"
+        wrapper = self._wrappers["decode" if self._plan.is_decode else "context"]
+        out, lse = wrapper.run(query=self._split(q), kv_cache=pool.layer(layer_idx),
+                               return_lse=True)
+        return Partial(out, lse)
+
+    def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
+        """q [N, q_heads, R + rope] over own tokens, causally; k = ckv [N, R], v = kpe [N, rope]."""
+        plan = self._plan
+        assert plan is not None and not plan.is_decode, "run_own() needs a planned multi-token step"
+        if not self._own_on_flashinfer:
+            return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale)
+        ckv = k.masked_fill(self._padding, 0).unsqueeze(1)  # [N, 1, R]: page i holds token i
+        kpe = v.masked_fill(self._padding, 0).unsqueeze(1)
+        out, lse = self._wrappers["own"].run(query=self._split(q), kv_cache=(ckv, kpe),
+                                             return_lse=True)
+        return Partial(out, lse)

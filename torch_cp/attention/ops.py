@@ -1,0 +1,70 @@
+"""Backend kernels behind torch.library custom ops, so torch.compile sees them as opaque calls
+with known output shapes (the fake implementations) while the exchange and merge around them
+trace as ordinary torch code.
+
+A backend is stateful (it was planned for the step on the host), so the ops take an integer
+handle to it. The layer's pool tensors are inputs of the ops, which orders them after the
+step's pool write in a compiled graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_cp.attention.backend import AttentionBackend
+
+_BACKENDS: dict[int, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> int:
+    """The handle the custom ops know ``backend`` by."""
+    handle = id(backend)
+    _BACKENDS[handle] = backend
+    return handle
+
+
+class _LayerTensors:
+    """Stands in for a pool inside an op: ``layer(i)`` gives the tensors the op received."""
+
+    def __init__(self, caches: list[torch.Tensor]):
+        self.caches = caches
+
+    def layer(self, layer_idx: int):
+        return self.caches[0] if len(self.caches) == 1 else tuple(self.caches)
+
+
+def pool_layer_tensors(pool, layer_idx: int) -> list[torch.Tensor]:
+    layer = pool.layer(layer_idx)
+    return list(layer) if isinstance(layer, tuple) else [layer]
+
+
+@torch.library.custom_op("torch_cp::context_partial", mutates_args=())
+def context_partial(q: torch.Tensor, caches: list[torch.Tensor], handle: int,
+                    layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``backend.run_context``: q [N, H, Dk] over this partner's slots -> out [N, H, Dv], lse."""
+    out, lse = _BACKENDS[handle].run_context(q, _LayerTensors(caches), layer_idx)
+    return out.contiguous(), lse.contiguous()
+
+
+@context_partial.register_fake
+def _(q, caches, handle, layer_idx):
+    return _fake_partial(q, handle)
+
+
+@torch.library.custom_op("torch_cp::own_partial", mutates_args=())
+def own_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``backend.run_own``: q [N, H, Dk] over the step's own tokens, causally."""
+    out, lse = _BACKENDS[handle].run_own(q, k, v)
+    return out.contiguous(), lse.contiguous()
+
+
+@own_partial.register_fake
+def _(q, k, v, handle):
+    return _fake_partial(q, handle)
+
+
+def _fake_partial(q: torch.Tensor, handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, h, _ = q.shape
+    dv = _BACKENDS[handle].geometry.head_dim_v
+    return q.new_empty(n, h, dv), q.new_empty(n, h, dtype=torch.float32)
