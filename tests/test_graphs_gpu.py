@@ -38,13 +38,13 @@ class Harness:
         self.runner.capture()
         self.kwarg = self.runner.cache_kwarg
 
-    def eager(self, tokens, q_lens, ctx_lens, tables, logit_rows):
+    def eager(self, token_ids, q_lens, ctx_lens, tables, logit_rows):
         plan = build_step_plan(q_lens, ctx_lens, tables, page_size=PAGE,
                                sink_page=self.cache.pool.sink_page, device="cuda")
         self.cache.begin_step(plan)
         ends = plan.qo_indptr_host[1:].long() - 1
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([tokens], device="cuda"),
+            out = self.model(input_ids=torch.tensor([token_ids], device="cuda"),
                              position_ids=plan.positions[None], use_cache=False,
                              logits_to_keep=ends[list(logit_rows)].cuda(),
                              **{self.kwarg: self.cache})
@@ -80,7 +80,7 @@ def test_replay_equals_eager_and_padding_stays_out(harness):
         for s, t in zip(seqs, nxt):
             s.append(t)
         ctx = [len(s) - 1 for s in seqs]
-        step = dict(tokens=nxt, q_lens=[1, 1, 1], ctx_lens=ctx, tables=tables,
+        step = dict(token_ids=nxt, q_lens=[1, 1, 1], ctx_lens=ctx, tables=tables,
                     logit_rows=[0, 1, 2])
         eager = h.eager(**step)
         graph = h.runner.step(**step)
@@ -96,9 +96,9 @@ def test_replay_equals_eager_and_padding_stays_out(harness):
         h.model.get_input_embeddings().weight[NAN_ID] = float("nan")
     for s, t in zip(seqs, nxt):
         s.append(t)
-    decode = dict(tokens=nxt, q_lens=[1, 1, 1], ctx_lens=[len(s) - 1 for s in seqs],
+    decode = dict(token_ids=nxt, q_lens=[1, 1, 1], ctx_lens=[len(s) - 1 for s in seqs],
                   tables=tables, logit_rows=[0, 1, 2])
-    extend = dict(tokens=[7, 8, 9, 10, 11], q_lens=[2, 3], ctx_lens=[len(s) for s in seqs[:2]],
+    extend = dict(token_ids=[7, 8, 9, 10, 11], q_lens=[2, 3], ctx_lens=[len(s) for s in seqs[:2]],
                   tables=tables[:2], logit_rows=[0, 1])
     for step in (decode, extend):
         h.runner.pad_token_id = 1

@@ -6,6 +6,9 @@ attends every gathered head over its slots, and an all-to-all returns each head'
 partner that owns the head. All-to-all (rather than all-gather of LSE plus a reduce-scatter of
 rescaled outputs) moves the same bytes, keeps outputs in their dtype on the wire without summing
 them there, and lets both modes share one exact float32 merge.
+
+Gloo has no all-gather of CUDA tensors, so over a gloo group (P processes sharing one GPU in
+tests) CUDA tensors take a round trip through the host; NCCL groups move them directly.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from torch_cp.attention.partial import Partial
@@ -36,6 +40,11 @@ class Exchange:
     placement: ContextParallel
     records: list[CollectiveRecord] | None = field(default=None)
 
+    def _staged(self, collective, t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda and dist.get_backend(self.placement.group) == "gloo":
+            return collective(t.cpu()).to(t.device)
+        return collective(t)
+
     def _record(self, op: str, t: torch.Tensor) -> None:
         if self.records is not None:
             self.records.append(CollectiveRecord(op, tuple(t.shape), t.dtype))
@@ -43,15 +52,15 @@ class Exchange:
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[X, ...] -> [P, X, ...] with partner p's tensor at index p."""
         self._record("all_gather", t)
-        out = _all_gather(t.contiguous(), 0, self.placement.group)
-        return funcol.wait_tensor(out).view(self.placement.size, *t.shape)
+        gather = lambda x: funcol.wait_tensor(_all_gather(x.contiguous(), 0, self.placement.group))
+        return self._staged(gather, t).view(self.placement.size, *t.shape)
 
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """[P, X, ...] -> [P, X, ...]: chunk p goes to partner p; index p then holds partner
         p's chunk."""
         self._record("all_to_all", t)
-        out = funcol.all_to_all_single(t.contiguous(), None, None, self.placement.group)
-        return funcol.wait_tensor(out)
+        return self._staged(lambda x: funcol.wait_tensor(funcol.all_to_all_single(
+            x.contiguous(), None, None, self.placement.group)), t)
 
     def gather_heads(self, q_nhd: torch.Tensor) -> torch.Tensor:
         """TP mode: [N, H, D] -> [N, P * H, D], partner p's heads at ``[p * H, (p + 1) * H)``."""

@@ -1,0 +1,1 @@
+"""Benchmarks against FlashInfer and Hugging Face; see BENCHMARKS.md."""

@@ -1,0 +1,155 @@
+"""What both benchmarks share: the run's environment, the copy bandwidth, timers, a time budget,
+incremental JSON results and the summary table."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+
+def versions() -> dict:
+    """Versions of everything whose speed the numbers depend on."""
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda}
+    for name in ("transformers", "flashinfer", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # absent, or a broken install: record that, measure the rest
+            out[name] = None
+    return out
+
+
+def machine(device: torch.device) -> dict:
+    out = {"host": platform.node(), "cpu_count": os.cpu_count(), "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(gpu=props.name, sms=props.multi_processor_count,
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"{props.major}.{props.minor}")
+    return out
+
+
+def run_header(device: torch.device) -> dict:
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+            "machine": machine(device), "versions": versions()}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 50,
+            warmup: int = 5) -> float:
+    """Mean milliseconds of ``fn`` over ``iters`` back-to-back calls (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def graph_time_ms(fn: Callable[[], object], device: torch.device, iters: int = 50,
+                  per_graph: int = 10) -> float:
+    """Mean milliseconds of ``fn`` replayed from a CUDA graph of ``per_graph`` calls: kernel time
+    without launch overhead, as inside a captured decode step."""
+    assert device.type == "cuda"
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(per_graph):
+            fn()
+    reps = max(1, iters // per_graph)
+    return time_ms(graph.replay, device, iters=reps, warmup=2) / per_graph
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 2 if device.type == "cuda" else 1 << 22
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=20 if device.type == "cuda" else 3)
+    return 2 * n * 2 / (ms * 1e-3)
+
+
+class Budget:
+    """Seconds left before a deadline, so a run skips what it cannot finish instead of being
+    killed with nothing written."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() >= seconds
+
+
+class Results:
+    """The run's header plus a list of records, rewritten to ``path`` after every record."""
+
+    def __init__(self, path: str | Path | None, header: dict):
+        self.path = Path(path) if path else None
+        self.data = dict(header, records=[])
+
+    def add(self, **record) -> dict:
+        self.data["records"].append(record)
+        self.save()
+        return record
+
+    def save(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
+    return str(value)
+
+
+def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """A plain-text table of ``rows`` (dicts) over ``columns``."""
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def free_cuda(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,256 @@
+"""End-to-end generation: torch_cp against the Hugging Face ways of generating, in one run.
+
+Models (random bf16 weights, built on the GPU): Qwen3-8B's shape, and an MLA model of similar size
+(DeepSeek-V3 attention, kv_lora_rank 512, rope 64, dense MLPs; see ``benchmarks.models``). For
+each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EOS) from:
+
+- ``torch_cp``: ``torch_cp.Engine(..., cuda_graphs=True)`` over a patched model (P = 1,
+  FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per model;
+- ``hf_static``: ``model.generate`` with the static cache, compiled by transformers' default
+  CompileConfig (a warm-up call per shape first, which includes the compile);
+- ``hf_dynamic``: ``model.generate`` with the dynamic cache, eager;
+- ``generate_batch``: transformers' continuous batching (a short warm-up call first);
+- ``compiled_loop``: a static-cache decode loop under
+  ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (warm-up run per shape first).
+
+Each decode step is set against its memory roofline: (weight bytes + KV bytes read) / the copy
+bandwidth measured in the same run.
+
+    python -m benchmarks.generate --out benchmarks/results/generate.json
+    python -m benchmarks.generate --smoke            # CPU, tiny models, torch backend
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+import traceback
+
+import torch
+
+import torch_cp
+import torch_cp.engine as engine_module
+from benchmarks import models, peers
+from benchmarks.common import Budget, Results, copy_bandwidth, free_cuda, run_header, sync, table
+from benchmarks.peers import Timing
+
+SYSTEMS = ("torch_cp", "hf_dynamic", "generate_batch", "hf_static", "compiled_loop")
+COMPILED = ("hf_static", "compiled_loop")
+PAGE = 16
+# Seconds a system needs at least before it is started (the first compiled call compiles).
+MIN_SECONDS = dict(torch_cp=10, hf_dynamic=10, generate_batch=20, hf_static=90,
+                   compiled_loop=90)
+
+
+class TorchCP:
+    """One patched model and one engine (CUDA graphs captured once) for every run."""
+
+    def __init__(self, model, max_batch: int, max_len: int, backend: str, cuda_graphs: bool):
+        torch_cp.patch_model(model, backend=backend, page_size=PAGE)
+        per_row = -(-max_len // PAGE)
+        kwargs = dict(max_rows=max_batch)
+        params = inspect.signature(torch_cp.Engine).parameters
+        self.cuda_graphs = cuda_graphs and "cuda_graphs" in params
+        if self.cuda_graphs:
+            kwargs.update(cuda_graphs=True, max_pages_per_row=per_row)
+        start = time.perf_counter()
+        self.engine = torch_cp.Engine(model, max_batch * per_row, PAGE, **kwargs)
+        self.setup_s = time.perf_counter() - start
+        self.model = model
+
+    def run(self, prompts: list[list[int]], new_tokens: int, device) -> Timing:
+        batch, prompt = len(prompts), len(prompts[0])
+        # The whole prefill in one step where it fits 64k tokens (as Hugging Face prefills).
+        self.engine.max_tokens_per_step = min(batch * prompt, 65536)
+        stamps: list[tuple[float, int]] = []
+        original = engine_module.sample
+
+        def timed_sample(logits, *args, **kwargs):
+            out = original(logits, *args, **kwargs)
+            sync(device)
+            stamps.append((time.perf_counter(), logits.shape[0]))
+            return out
+
+        engine_module.sample = timed_sample
+        peers.reset_peak(device)
+        replayed = getattr(self.engine, "replayed_steps", 0)
+        try:
+            sync(device)
+            start = time.perf_counter()
+            results = self.engine.run(prompts, new_tokens, eos_token_ids=())
+            sync(device)
+            wall = time.perf_counter() - start
+        finally:
+            engine_module.sample = original
+        bad = [r for r in results if len(r.token_ids) != new_tokens]
+        if bad:
+            raise RuntimeError(f"torch_cp: request {bad[0].index} made {len(bad[0].token_ids)} "
+                               f"tokens ({bad[0].finish_reason}, {bad[0].error})")
+        # Every row has its first token at the step where the sampled rows add up to the batch.
+        seen, first = 0, len(stamps) - 1
+        for i, (_, rows) in enumerate(stamps):
+            seen += rows
+            if seen >= batch:
+                first = i
+                break
+        times = [t for t, _ in stamps]
+        step = ((times[-1] - times[first]) * 1e3 / (len(times) - 1 - first)
+                if len(times) - 1 > first else None)
+        replays = getattr(self.engine, "replayed_steps", 0) - replayed
+        note = f"{len(stamps)} steps, {replays} replayed from CUDA graphs"
+        return Timing(wall, times[first] - start, step, batch * new_tokens,
+                      peers.peak_gib(device), note, list(results[0].token_ids[:8]))
+
+    def close(self) -> None:
+        del self.engine
+        torch_cp.unpatch_model(self.model)
+
+
+def hf_fits(config, batch: int, length: int, device) -> str | None:
+    """Why Hugging Face's own cache for this shape cannot fit (None: it may)."""
+    if device.type != "cuda":
+        return None
+    need = models.hf_cache_bytes_per_token(config, torch.bfloat16) * batch * length
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > 0.7 * free:
+        return (f"Hugging Face's cache would need {need / 2**30:.0f} GiB "
+                f"({free / 2**30:.0f} GiB free)")
+    return None
+
+
+def run_system(name: str, state: dict, model, prompts, new_tokens: int, device,
+               smoke: bool) -> tuple[Timing, dict]:
+    prompt = len(prompts[0])
+    ids = torch.tensor(prompts, device=device)
+    extra = {}
+    if name == "torch_cp":
+        return state["torch_cp"].run(prompts, new_tokens, device), extra
+    if name == "hf_dynamic":
+        return peers.hf_generate(model, ids, new_tokens, "dynamic", device), extra
+    if name == "hf_static":
+        start = time.perf_counter()
+        peers.hf_generate(model, ids, new_tokens, "static", device, compile_=not smoke)
+        extra["warmup_s"] = time.perf_counter() - start
+        return peers.hf_generate(model, ids, new_tokens, "static", device,
+                                 compile_=not smoke), extra
+    if name == "generate_batch":
+        timing, extra["warmup_s"] = peers.hf_generate_batch(model, prompts, new_tokens, device,
+                                                            smoke)
+        return timing, extra
+    if name == "compiled_loop":
+        loop = state.get("loop")
+        if loop is None:
+            loop = state["loop"] = peers.CompiledLoop(
+                model, device, backend="eager" if smoke else "inductor")
+        cache = peers.static_cache(model, prompt + new_tokens)
+        start = time.perf_counter()
+        try:
+            loop.run(ids, new_tokens, cache)
+        except Exception as error:  # a graph break under fullgraph: say so, run without it
+            extra["fullgraph_error"] = f"{type(error).__name__}: {error}"[:500]
+            loop = state["loop"] = peers.CompiledLoop(
+                model, device, backend="eager" if smoke else "inductor", fullgraph=False)
+            loop.run(ids, new_tokens, cache)
+        extra["warmup_s"] = time.perf_counter() - start
+        return loop.run(ids, new_tokens, cache), extra
+    raise ValueError(f"unknown system {name!r}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="JSON results path")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, torch backend")
+    ap.add_argument("--models", default="qwen3,mla")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--prompts", default="512,4096")
+    ap.add_argument("--batches", default="1,32,64")
+    ap.add_argument("--compiled-prompts", default="512",
+                    help="prompt lengths the compiled peers run at (each shape compiles)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--budget-s", type=float, default=400.0, help="skip runs past this")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    budget = Budget(args.budget_s)
+    results = Results(args.out, run_header(device))
+    copy_bw = copy_bandwidth(device)
+    results.data["copy_tb_s"] = copy_bw / 1e12
+    prompts_l = [int(x) for x in args.prompts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    compiled_prompts = {int(x) for x in args.compiled_prompts.split(",")}
+    records = []
+    for model_name in args.models.split(","):
+        start = time.perf_counter()
+        model = models.build(model_name, device, dtype, smoke)
+        sync(device)
+        info = dict(model=model_name, build_s=time.perf_counter() - start,
+                    params=sum(p.numel() for p in model.parameters()),
+                    weight_bytes_read=models.weight_bytes_read(model),
+                    kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype))
+        results.data.setdefault("models", {})[model_name] = info
+        vocab = model.config.vocab_size
+        with torch.inference_mode():  # lazy CUDA / cuBLAS initialisation, outside any timing
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
+        state = {}
+        for system in args.systems.split(","):
+            for prompt in prompts_l:
+                if system in COMPILED and prompt not in compiled_prompts:
+                    continue
+                for batch in batches:
+                    base = dict(model=model_name, system=system, prompt=prompt, batch=batch,
+                                new_tokens=args.new_tokens)
+                    kv_read = info["kv_bytes_per_token"] * batch * (prompt + args.new_tokens / 2)
+                    base["roofline_ms"] = (info["weight_bytes_read"] + kv_read) / copy_bw * 1e3
+                    if not budget.allows(MIN_SECONDS[system]):
+                        results.add(**base, skipped=f"time budget ({budget.left():.0f} s left)")
+                        continue
+                    reason = None if system == "torch_cp" else hf_fits(
+                        model.config, batch, prompt + args.new_tokens, device)
+                    if reason:
+                        results.add(**base, skipped=reason)
+                        continue
+                    gen = torch.Generator().manual_seed(batch * 100003 + prompt)
+                    prompts = torch.randint(0, vocab, (batch, prompt), generator=gen).tolist()
+                    try:
+                        if system == "torch_cp" and "torch_cp" not in state:
+                            state["torch_cp"] = TorchCP(
+                                model, max(batches), max(prompts_l) + args.new_tokens,
+                                "torch" if smoke else "flashinfer", not smoke)
+                            info["torch_cp_setup_s"] = state["torch_cp"].setup_s
+                            info["torch_cp_cuda_graphs"] = state["torch_cp"].cuda_graphs
+                        timing, extra = run_system(system, state, model, prompts,
+                                                   args.new_tokens, device, smoke)
+                    except Exception as error:
+                        results.add(**base, error=f"{type(error).__name__}: {error}"[:2000],
+                                    traceback=traceback.format_exc()[-3000:])
+                        print(f"{model_name} {system} {prompt}x{batch}: {error}", flush=True)
+                        free_cuda(device)
+                        continue
+                    rec = dict(base, **timing.as_dict(), **extra)
+                    if timing.step_ms is not None:
+                        rec["step_over_roofline"] = timing.step_ms / base["roofline_ms"]
+                    records.append(results.add(**rec))
+                    print(f"{model_name} {system} prompt {prompt} batch {batch}: "
+                          f"{timing.tokens_per_s:.0f} tok/s, step {timing.step_ms} ms, "
+                          f"ttft {timing.ttft_s} s", flush=True)
+                    free_cuda(device)
+            if system == "torch_cp" and "torch_cp" in state:
+                state.pop("torch_cp").close()
+            state.pop("loop", None)
+            for attr in ("_cache", "_compiled_call"):  # what model.generate keeps for reuse
+                model.__dict__.pop(attr, None)
+            torch._dynamo.reset()
+            free_cuda(device)
+        del model, state
+        free_cuda(device)
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; step = ms per decode step; roofline = "
+          f"(weights + KV read) / copy bandwidth")
+    print(table(records, ["model", "system", "prompt", "batch", "tokens_per_s", "step_ms",
+                          "roofline_ms", "step_over_roofline", "ttft_s", "peak_gib"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

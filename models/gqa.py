@@ -1,0 +1,137 @@
+"""Shared logic of the GQA families (Qwen2/3, Qwen3-MoE, GLM, GLM-4, GLM-4-MoE).
+
+Their attention modules share one structure: ``q_proj``/``k_proj``/``v_proj`` (with or without
+bias), optional per-head RMSNorms ``q_norm``/``k_norm``, RoPE over the first ``rotary_dim`` channels
+of each head, attention and ``o_proj``. They differ only in the RoPE function (GLM and GLM-4 rotate
+interleaved channel pairs) and in whether the norms exist, so the patched forward calls the RoPE
+function of the model type's own Hugging Face modeling module and applies the norms the module has.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_cp.attention.backend import AttentionGeometry
+from torch_cp.cache import paged_cache_from
+from torch_cp.mesh import KVHeadLayout, kv_head_replicas
+from torch_cp.placement import ContextParallel
+from torch_cp.tp import keep_in_features, keep_out_features
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_problems(config) -> list[str]:
+    """Sliding-window layers attend a window, not the whole pool: torch_cp does not run them."""
+    types = getattr(config, "layer_types", None) or []
+    if getattr(config, "sliding_window", None) is not None or any(
+            t != "full_attention" for t in types):
+        return [f"{config.model_type}: sliding-window attention layers are not supported "
+                f"(use_sliding_window must be False, layer_types all 'full_attention')"]
+    return []
+
+
+@dataclass(frozen=True)
+class GQAFamily:
+    """A GQA family; see ``torch_cp.models.base.Family``.
+
+    Attributes:
+        modeling: model type -> (Hugging Face modeling module, attention class name). The patched
+            forward uses that module's ``apply_rotary_pos_emb``, so RoPE matches it exactly.
+        ropes: model type -> that RoPE function (resolved once, so the forward stays traceable).
+    """
+
+    modeling: Mapping[str, tuple[str, str]]
+    kind: Literal["gqa", "mla"] = "gqa"
+    ropes: Mapping[str, Callable] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        ropes = {t: importlib.import_module(m).apply_rotary_pos_emb
+                 for t, (m, _) in self.modeling.items()}
+        object.__setattr__(self, "ropes", ropes)
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(self.modeling)
+
+    @property
+    def attention_classes(self) -> tuple[str, ...]:
+        return tuple(cls for _, cls in self.modeling.values())
+
+    def kv_heads(self, config) -> int:
+        return config.num_key_value_heads
+
+    def problems(self, config, tp: int) -> list[str]:
+        problems = sliding_window_problems(config)
+        heads = config.num_attention_heads
+        if heads % tp != 0:
+            problems.append(f"{heads} query heads do not split evenly over tp = {tp}")
+        try:
+            kv_head_replicas(config.num_key_value_heads, tp)
+        except ValueError as e:
+            problems.append(str(e))
+        return problems
+
+    def geometry(self, config, tp: int, placement: ContextParallel) -> AttentionGeometry:
+        q_heads = config.num_attention_heads // tp
+        layout = kv_head_replicas(config.num_key_value_heads, tp)
+        head_dim = head_dim_of(config)
+        tp_mode = placement.size > 1 and placement.mode == "tp"
+        return AttentionGeometry(
+            kind="gqa", q_heads=q_heads, kv_heads=layout.heads_per_rank, head_dim=head_dim,
+            head_dim_v=head_dim, scale=head_dim**-0.5,
+            context_q_heads=q_heads * placement.size if tp_mode else q_heads)
+
+    def shard_attention(self, attn: nn.Module, tp_rank: int, tp: int,
+                        layout: KVHeadLayout) -> None:
+        """q_proj: this rank's contiguous query heads; k_proj/v_proj: the KV heads ``layout``
+        gives it; o_proj: the input columns of its query heads (made row-parallel by the caller)."""
+        d = head_dim_of(attn.config)
+        q_heads = attn.config.num_attention_heads // tp
+        q_cols = slice(tp_rank * q_heads * d, (tp_rank + 1) * q_heads * d)
+        kv = layout.heads_of(tp_rank)
+        kv_cols = slice(kv.start * d, kv.stop * d)
+        keep_out_features(attn.q_proj, q_cols)
+        keep_out_features(attn.k_proj, kv_cols)
+        keep_out_features(attn.v_proj, kv_cols)
+        keep_in_features(attn.o_proj, q_cols)
+
+    def forward(self, attn: nn.Module, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], cache, **kwargs
+                ) -> tuple[torch.Tensor, None]:
+        """hidden_states [B, S, hidden] -> ([B, S, hidden], None); see ``Family.forward``."""
+        cache = paged_cache_from(cache)
+        plan = cache.plan
+        b, s, hidden = hidden_states.shape
+        x_nd = hidden_states.reshape(b * s, hidden)
+        cos, sin = (t.expand(b, s, t.shape[-1]).reshape(b * s, -1) for t in position_embeddings)
+        index = plan.token_index
+        n = plan.positions.shape[0]  # the plan's tokens, bucket padding included
+        if index is not None:
+            pad = (0, 0, 0, n - index.shape[0])  # zero tokens up to the bucket
+            x_nd, cos, sin = (F.pad(t[index], pad) for t in (x_nd, cos, sin))
+        if x_nd.shape[0] != n:
+            raise ValueError(f"the step plan has {n} tokens but the model input gives "
+                             f"{x_nd.shape[0]}: pass token_index for a padded [B, S] input")
+        d = head_dim_of(attn.config)
+        q_nhd = attn.q_proj(x_nd).view(n, -1, d)
+        k_nhd = attn.k_proj(x_nd).view(n, -1, d)
+        v_nhd = attn.v_proj(x_nd).view(n, -1, d)
+        if getattr(attn, "q_norm", None) is not None:
+            q_nhd, k_nhd = attn.q_norm(q_nhd), attn.k_norm(k_nhd)
+        rope = self.ropes[attn.config.model_type]
+        q_nhd, k_nhd = rope(q_nhd, k_nhd, cos, sin, unsqueeze_dim=1)
+        out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, cache.pool, plan)
+        out_nd = attn.o_proj(out_nhd.reshape(n, -1))
+        if index is not None:
+            full = out_nd.new_zeros(b * s, out_nd.shape[-1])
+            out_nd = full.index_copy(0, index, out_nd[:index.shape[0]])
+        return out_nd.view(b, s, -1), None

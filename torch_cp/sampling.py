@@ -1,0 +1,94 @@
+"""Token selection: greedy, temperature, top-k and top-p, identical on every rank.
+
+Sampling runs on the host in float32 with one ``torch.Generator`` per request, seeded from the
+call's seed and the request's index. Every rank therefore draws the same numbers for the same
+request whatever else shares its steps, and a run repeats exactly under the same seed. The engine
+still broadcasts rank 0's tokens (see ``torch_cp.engine``), because the logits themselves may
+differ in the last bit between ranks (a TP all-reduce or a merge in another order), and one
+flipped argmax would split the ranks' schedulers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Mixes the request index into the seed so requests draw independent streams.
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from a row's logits.
+
+    Attributes:
+        temperature: 0 for greedy (argmax); otherwise logits are divided by it before sampling.
+        top_k: keep the k most likely tokens (``None``: all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches p
+            (``None``: all).
+        seed: seeds each request's generator (``seed * 1_000_003 + request index``).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        problems = []
+        if not self.temperature >= 0.0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            problems.append(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, request_index: int) -> torch.Generator:
+        """The host generator of one request."""
+        return torch.Generator().manual_seed(self.seed * _SEED_STRIDE + request_index)
+
+
+def filter_logits(logits_bv: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Set the logits outside each row's top-k / top-p set to -inf ([B, V] float32)."""
+    out = logits_bv
+    if top_k is not None and top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the top one stays.
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample(logits_bv: torch.Tensor, params: SamplingParams,
+           generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+    """Choose one token per row.
+
+    Args:
+        logits_bv: [B, V] logits of each row's last token (any device and dtype).
+        params: the sampling parameters.
+        generators: one host generator per row; required unless ``params.greedy``.
+    Returns:
+        [B] int64 token ids on the host.
+    """
+    logits = logits_bv.detach().to(device="cpu", dtype=torch.float32)
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    if generators is None or len(generators) != logits.shape[0]:
+        raise ValueError("sampling with temperature > 0 needs one generator per row")
+    filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(filtered, dim=-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
