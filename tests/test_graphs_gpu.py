@@ -25,16 +25,19 @@ if importlib.util.find_spec("flashinfer") is not None:
 
 
 class Harness:
-    def __init__(self, backend: str, dtype: torch.dtype):
+    def __init__(self, backend: str, dtype: torch.dtype, compile_forward: bool = False):
         # hidden 256 / head_dim 128 keeps the FlashInfer kernels on the prebuilt set.
         self.model = tiny_qwen3(seed=0, dtype=dtype, hidden_size=256, head_dim=128,
                                 num_attention_heads=4, num_key_value_heads=1).cuda()
         patch_model(self.model, backend=backend, page_size=PAGE)
         self.cache = PagedKVCache.for_model(self.model, num_pages=64)
         self.alloc = PageAllocator(64, PAGE)
-        self.runner = CUDAGraphRunner(self.model, self.cache,
-                                      default_buckets(max_rows=8, mixed=[(4, 64)]),
-                                      max_pages_per_row=8)
+        forward = (torch.compile(self.model.forward, fullgraph=True) if compile_forward
+                   else None)
+        buckets = (default_buckets(max_rows=2) if compile_forward
+                   else default_buckets(max_rows=8, mixed=[(4, 64)]))
+        self.runner = CUDAGraphRunner(self.model, self.cache, buckets, max_pages_per_row=8,
+                                      forward=forward)
         self.runner.capture()
         self.kwarg = self.runner.cache_kwarg
 
@@ -108,3 +111,25 @@ def test_replay_equals_eager_and_padding_stays_out(harness):
         assert torch.isfinite(poisoned).all(), "NaN padding reached a real row"
         assert torch.equal(poisoned, finite)
         torch.testing.assert_close(poisoned.float(), h.eager(**step), atol=atol, rtol=0)
+
+
+def test_compiled_model_is_captured_and_replays_like_eager():
+    """torch.compile(fullgraph=True) of the patched model, then captured per bucket."""
+    h = Harness("flashinfer" if len(BACKENDS) > 1 else "torch",
+                BACKENDS[-1][1], compile_forward=True)
+    atol = BACKENDS[-1][2]
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 30)]
+    for r, s in enumerate(seqs):
+        assert h.alloc.reserve(r, len(s) + 8)
+    tables = [h.alloc.table(r) for r in range(2)]
+    nxt = h.eager(seqs[0] + seqs[1], [9, 30], [0, 0], tables, [0, 1]).argmax(-1).tolist()
+    for _ in range(4):
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        step = dict(token_ids=nxt, q_lens=[1, 1], ctx_lens=[len(s) - 1 for s in seqs],
+                    tables=tables, logit_rows=[0, 1])
+        eager = h.eager(**step)
+        graph = h.runner.step(**step)
+        torch.testing.assert_close(graph.float(), eager, atol=atol, rtol=0)
+        nxt = graph.argmax(-1).tolist()
