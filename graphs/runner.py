@@ -6,7 +6,6 @@ writes never touch a real page and their keys are masked from every real row.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -14,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from torch_cp.attention.flashinfer_gqa import GraphBucket
+from torch_cp.cache import cache_kwarg
 from torch_cp.graphs.buckets import Bucket, pick_bucket
 from torch_cp.graphs.static_plan import StaticPlan
 from torch_cp.plan import build_step_plan
@@ -60,9 +60,7 @@ class CUDAGraphRunner:
         self.device = cache.runtime.device
         self.captured: dict[Bucket, _Captured] = {}
         self.pad_token_id = 0
-        # transformers 5.24 names the forward's cache argument ``cache``; 5.23 ``past_key_values``.
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model)
 
     def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables):
         plan = build_step_plan(

@@ -6,14 +6,13 @@ prompts, so the plans differ only by placement and every rank issues the same co
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import pytest
 import torch
 import transformers
 
-from torch_cp.cache import PagedKVCache
+from torch_cp.cache import PagedKVCache, cache_kwarg
 from torch_cp.kv import PageAllocator
 from torch_cp.plan import build_step_plan
 
@@ -61,11 +60,6 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
-def cache_kwarg(model) -> str:
-    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()

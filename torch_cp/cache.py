@@ -8,6 +8,8 @@ which the patched attention ignores.
 
 from __future__ import annotations
 
+import inspect
+
 from transformers.cache_utils import Cache
 
 from torch_cp.kv.pool import GQAPool, MLAPool
@@ -84,6 +86,13 @@ class PagedKVCache(Cache):
         return False
 
 
+def cache_kwarg(model) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.2x, ``past_key_values``
+    before (later releases drop the old name)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def paged_cache_from(cache) -> PagedKVCache:
     """The ``PagedKVCache`` a patched attention forward received, with a plan; a clear error for
     anything else (e.g. the ``DynamicCache`` transformers builds when none is passed)."""
@@ -96,4 +105,4 @@ def paged_cache_from(cache) -> PagedKVCache:
     return cache
 
 
-__all__ = ["PagedKVCache", "paged_cache_from"]
+__all__ = ["PagedKVCache", "cache_kwarg", "paged_cache_from"]

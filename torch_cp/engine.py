@@ -11,7 +11,6 @@ the schedulers; with the same seed, sampling itself is also identical on every r
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from torch_cp.cache import PagedKVCache, cache_kwarg
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
 from torch_cp.requests import Prompt, check_request, normalize_prompts
@@ -60,19 +60,6 @@ def runtime_of(model):
     if runtime is None:
         raise ValueError("the model is not patched: call torch_cp.patch_model(model, ...) first")
     return runtime
-
-
-def _paged_cache(runtime, pool):
-    from torch_cp.cache import PagedKVCache  # engineer B's; imported late to keep imports light
-
-    return PagedKVCache(runtime, pool)
-
-
-def cache_kwarg(model) -> str:
-    """The forward's name for the cache: ``cache`` from transformers 5.2x, ``past_key_values``
-    before (later releases drop the old name)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _sync_group(runtime) -> bool:
@@ -122,7 +109,7 @@ class Engine:
         self.max_rows = max_rows
         self.allocator = PageAllocator(num_pages, page_size)
         self.pool = self.runtime.new_pool(num_pages, page_size)
-        self.cache = _paged_cache(self.runtime, self.pool)
+        self.cache = PagedKVCache(self.runtime, self.pool)
         self.broadcast = _sync_group(self.runtime)
         self._cache_kwarg = cache_kwarg(model)
         self.steps = 0
