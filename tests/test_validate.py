@@ -160,3 +160,11 @@ def test_valid_settings_resolve():
 def test_model_without_config():
     with pytest.raises(ValueError, match="no config"):
         torch_cp.patch_model(torch.nn.Linear(2, 2))
+
+
+def test_partner_groups_need_the_whole_world():
+    # The test world has one rank; partner groups are derived collectively from the whole mesh.
+    from torch_cp.mesh import partner_placement
+
+    with pytest.raises(ValueError, match="the mesh spans 4 ranks, not the whole world of 1"):
+        partner_placement(mesh(1, 4), "tp", num_kv_heads=2)

@@ -97,6 +97,10 @@ def partner_placement(mesh: DeviceMesh | None, mode: Mode, num_kv_heads: int) ->
             layout = kv_head_replicas(num_kv_heads, tp)
         except ValueError as e:
             problems.append(str(e))
+    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
+        # the partner groups below are created collectively by every rank of the world
+        problems.append(f"the mesh spans {mesh.mesh.numel()} ranks, not the whole world of "
+                        f"{dist.get_world_size()}: build it with torch_cp.init_mesh")
     if problems:
         raise ValueError("; ".join(problems))
     if mode == "sp":
