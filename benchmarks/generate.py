@@ -5,7 +5,7 @@ Models (random bf16 weights, built on the GPU): Qwen3-8B's shape, and an MLA mod
 each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EOS) from:
 
 - ``torch_cp``: ``torch_cp.Engine(..., cuda_graphs=True)`` over a patched model (P = 1,
-  FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per model;
+  FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per block;
 - ``hf_static``: ``model.generate`` with the static cache, compiled by transformers' default
   CompileConfig (a warm-up call per shape first, which includes the compile);
 - ``hf_dynamic``: ``model.generate`` with the dynamic cache, eager;
@@ -14,10 +14,13 @@ each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EO
   ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (warm-up run per shape first).
 
 Each decode step is set against its memory roofline: (weight bytes + KV bytes read) / the copy
-bandwidth measured in the same run.
+bandwidth measured in the same run. ``--plan`` orders the runs (``model:prompt:systems;...``);
+``--budget-s`` skips what would not finish, and says so in the JSON (a compiled peer compiles once
+per new shape: about 50 s for the first and 85 s for the dynamic-shape recompile on an H200).
 
     python -m benchmarks.generate --out benchmarks/results/generate.json
-    python -m benchmarks.generate --smoke            # CPU, tiny models, torch backend
+    python -m benchmarks.generate --smoke --plan "qwen3:16:torch_cp,hf_static" --batches 1,3 \
+        --new-tokens 6                                # CPU, tiny models, torch backend
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from benchmarks.common import Budget, Results, copy_bandwidth, free_cuda, run_he
 from benchmarks.peers import Timing
 
 SYSTEMS = ("torch_cp", "hf_dynamic", "generate_batch", "hf_static", "compiled_loop")
-COMPILED = ("hf_static", "compiled_loop")
 PAGE = 16
 # Seconds a system needs at least before it is started (the first compiled call compiles).
 MIN_SECONDS = dict(torch_cp=10, hf_dynamic=10, generate_batch=20, hf_static=90,
@@ -157,16 +159,90 @@ def run_system(name: str, state: dict, model, prompts, new_tokens: int, device,
     raise ValueError(f"unknown system {name!r}")
 
 
+DEFAULT_PLAN = ("qwen3:512:torch_cp,hf_static,compiled_loop,hf_dynamic,generate_batch;"
+                "qwen3:4096:torch_cp,hf_dynamic,generate_batch;"
+                "mla:512:torch_cp,hf_dynamic,hf_static,compiled_loop,generate_batch;"
+                "mla:4096:torch_cp,hf_dynamic")
+
+
+def parse_plan(text: str) -> list[tuple[str, int, list[str]]]:
+    """``"model:prompt:system,system;..."`` -> blocks run in order (a block's systems share one
+    prompt length; consecutive blocks of one model share the model)."""
+    blocks = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        model, prompt, systems = part.split(":")
+        unknown = [s for s in systems.split(",") if s not in SYSTEMS]
+        if unknown:
+            raise SystemExit(f"unknown systems {unknown}; known: {SYSTEMS}")
+        blocks.append((model, int(prompt), systems.split(",")))
+    return blocks
+
+
+def model_info(name: str, model, dtype, build_s: float) -> dict:
+    return dict(model=name, build_s=build_s, params=sum(p.numel() for p in model.parameters()),
+                weight_bytes_read=models.weight_bytes_read(model),
+                kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype))
+
+
+def run_block(results: Results, budget: Budget, model_name: str, model, info: dict,
+              prompt: int, systems: list[str], batches: list[int], args, copy_bw: float,
+              device, smoke: bool) -> list[dict]:
+    records, state = [], {}
+    for system in systems:
+        for batch in batches:
+            base = dict(model=model_name, system=system, prompt=prompt, batch=batch,
+                        new_tokens=args.new_tokens)
+            kv_read = info["kv_bytes_per_token"] * batch * (prompt + args.new_tokens / 2)
+            base["roofline_ms"] = (info["weight_bytes_read"] + kv_read) / copy_bw * 1e3
+            if not budget.allows(MIN_SECONDS[system]):
+                results.add(**base, skipped=f"time budget ({budget.left():.0f} s left)")
+                continue
+            reason = None if system == "torch_cp" else hf_fits(
+                model.config, batch, prompt + args.new_tokens, device)
+            if reason:
+                results.add(**base, skipped=reason)
+                continue
+            gen = torch.Generator().manual_seed(batch * 100003 + prompt)
+            prompts = torch.randint(0, model.config.vocab_size, (batch, prompt),
+                                    generator=gen).tolist()
+            try:
+                if system == "torch_cp" and "torch_cp" not in state:
+                    state["torch_cp"] = TorchCP(model, max(batches), prompt + args.new_tokens,
+                                                "torch" if smoke else "flashinfer", not smoke)
+                    info[f"torch_cp_setup_s_{prompt}"] = state["torch_cp"].setup_s
+                    info["torch_cp_cuda_graphs"] = state["torch_cp"].cuda_graphs
+                timing, extra = run_system(system, state, model, prompts, args.new_tokens,
+                                           device, smoke)
+            except Exception as error:
+                results.add(**base, error=f"{type(error).__name__}: {error}"[:2000],
+                            traceback=traceback.format_exc()[-3000:])
+                print(f"{model_name} {system} {prompt}x{batch}: {error}", flush=True)
+                free_cuda(device)
+                continue
+            rec = dict(base, **timing.as_dict(), **extra)
+            if timing.step_ms is not None:
+                rec["step_over_roofline"] = timing.step_ms / base["roofline_ms"]
+            records.append(results.add(**rec))
+            print(f"{model_name} {system} prompt {prompt} batch {batch}: "
+                  f"{timing.tokens_per_s:.0f} tok/s, step {timing.step_ms} ms, "
+                  f"ttft {timing.ttft_s} s ({budget.left():.0f} s left)", flush=True)
+            free_cuda(device)
+        if "torch_cp" in state:
+            state.pop("torch_cp").close()
+        state.pop("loop", None)
+        for attr in ("_cache", "_compiled_call"):  # what model.generate keeps for reuse
+            model.__dict__.pop(attr, None)
+        free_cuda(device)
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON results path")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, torch backend")
-    ap.add_argument("--models", default="qwen3,mla")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--prompts", default="512,4096")
+    ap.add_argument("--plan", default=DEFAULT_PLAN,
+                    help="blocks 'model:prompt:system,...' separated by ';', run in order")
     ap.add_argument("--batches", default="1,32,64")
-    ap.add_argument("--compiled-prompts", default="512",
-                    help="prompt lengths the compiled peers run at (each shape compiles)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip runs past this")
     args = ap.parse_args(argv)
@@ -175,76 +251,26 @@ def main(argv=None) -> int:
     dtype = torch.float32 if smoke else torch.bfloat16
     budget = Budget(args.budget_s)
     results = Results(args.out, run_header(device))
+    results.data["plan"] = args.plan
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
-    prompts_l = [int(x) for x in args.prompts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    compiled_prompts = {int(x) for x in args.compiled_prompts.split(",")}
-    records = []
-    for model_name in args.models.split(","):
-        start = time.perf_counter()
-        model = models.build(model_name, device, dtype, smoke)
-        sync(device)
-        info = dict(model=model_name, build_s=time.perf_counter() - start,
-                    params=sum(p.numel() for p in model.parameters()),
-                    weight_bytes_read=models.weight_bytes_read(model),
-                    kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype))
-        results.data.setdefault("models", {})[model_name] = info
-        vocab = model.config.vocab_size
-        with torch.inference_mode():  # lazy CUDA / cuBLAS initialisation, outside any timing
-            model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
-        state = {}
-        for system in args.systems.split(","):
-            for prompt in prompts_l:
-                if system in COMPILED and prompt not in compiled_prompts:
-                    continue
-                for batch in batches:
-                    base = dict(model=model_name, system=system, prompt=prompt, batch=batch,
-                                new_tokens=args.new_tokens)
-                    kv_read = info["kv_bytes_per_token"] * batch * (prompt + args.new_tokens / 2)
-                    base["roofline_ms"] = (info["weight_bytes_read"] + kv_read) / copy_bw * 1e3
-                    if not budget.allows(MIN_SECONDS[system]):
-                        results.add(**base, skipped=f"time budget ({budget.left():.0f} s left)")
-                        continue
-                    reason = None if system == "torch_cp" else hf_fits(
-                        model.config, batch, prompt + args.new_tokens, device)
-                    if reason:
-                        results.add(**base, skipped=reason)
-                        continue
-                    gen = torch.Generator().manual_seed(batch * 100003 + prompt)
-                    prompts = torch.randint(0, vocab, (batch, prompt), generator=gen).tolist()
-                    try:
-                        if system == "torch_cp" and "torch_cp" not in state:
-                            state["torch_cp"] = TorchCP(
-                                model, max(batches), max(prompts_l) + args.new_tokens,
-                                "torch" if smoke else "flashinfer", not smoke)
-                            info["torch_cp_setup_s"] = state["torch_cp"].setup_s
-                            info["torch_cp_cuda_graphs"] = state["torch_cp"].cuda_graphs
-                        timing, extra = run_system(system, state, model, prompts,
-                                                   args.new_tokens, device, smoke)
-                    except Exception as error:
-                        results.add(**base, error=f"{type(error).__name__}: {error}"[:2000],
-                                    traceback=traceback.format_exc()[-3000:])
-                        print(f"{model_name} {system} {prompt}x{batch}: {error}", flush=True)
-                        free_cuda(device)
-                        continue
-                    rec = dict(base, **timing.as_dict(), **extra)
-                    if timing.step_ms is not None:
-                        rec["step_over_roofline"] = timing.step_ms / base["roofline_ms"]
-                    records.append(results.add(**rec))
-                    print(f"{model_name} {system} prompt {prompt} batch {batch}: "
-                          f"{timing.tokens_per_s:.0f} tok/s, step {timing.step_ms} ms, "
-                          f"ttft {timing.ttft_s} s", flush=True)
-                    free_cuda(device)
-            if system == "torch_cp" and "torch_cp" in state:
-                state.pop("torch_cp").close()
-            state.pop("loop", None)
-            for attr in ("_cache", "_compiled_call"):  # what model.generate keeps for reuse
-                model.__dict__.pop(attr, None)
-            torch._dynamo.reset()
+    records, model, model_name = [], None, None
+    for name, prompt, systems in parse_plan(args.plan):
+        if name != model_name:
+            model = None
+            torch._dynamo.reset()  # compiled code holds the previous model's weights
             free_cuda(device)
-        del model, state
-        free_cuda(device)
+            start = time.perf_counter()
+            model, model_name = models.build(name, device, dtype, smoke), name
+            sync(device)
+            info = model_info(name, model, dtype, time.perf_counter() - start)
+            results.data.setdefault("models", {})[name] = info
+            with torch.inference_mode():  # lazy CUDA / cuBLAS initialisation, outside timing
+                model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
+        records += run_block(results, budget, name, model, info, prompt, systems, batches, args,
+                             copy_bw, device, smoke)
+        results.save()
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; step = ms per decode step; roofline = "
           f"(weights + KV read) / copy bandwidth")
     print(table(records, ["model", "system", "prompt", "batch", "tokens_per_s", "step_ms",
