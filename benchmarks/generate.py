@@ -38,24 +38,26 @@ from benchmarks import models, peers
 from benchmarks.common import Budget, Results, copy_bandwidth, free_cuda, run_header, sync, table
 from benchmarks.peers import Timing
 
-SYSTEMS = ("torch_cp", "hf_dynamic", "generate_batch", "hf_static", "compiled_loop")
+SYSTEMS = ("torch_cp", "torch_cp_compiled", "hf_dynamic", "generate_batch", "hf_static",
+           "compiled_loop")
 PAGE = 16
 # Seconds a system needs at least before it is started (the first compiled call compiles).
-MIN_SECONDS = dict(torch_cp=10, hf_dynamic=10, generate_batch=20, hf_static=90,
-                   compiled_loop=90)
+MIN_SECONDS = dict(torch_cp=10, torch_cp_compiled=40, hf_dynamic=10, generate_batch=20,
+                   hf_static=90, compiled_loop=90)
 
 
 class TorchCP:
     """One patched model and one engine (CUDA graphs captured once) for every run."""
 
-    def __init__(self, model, max_batch: int, max_len: int, backend: str, cuda_graphs: bool):
+    def __init__(self, model, max_batch: int, max_len: int, backend: str, cuda_graphs: bool,
+                 compile: bool = False):
         torch_cp.patch_model(model, backend=backend, page_size=PAGE)
         per_row = -(-max_len // PAGE)
         kwargs = dict(max_rows=max_batch)
         params = inspect.signature(torch_cp.Engine).parameters
         self.cuda_graphs = cuda_graphs and "cuda_graphs" in params
         if self.cuda_graphs:
-            kwargs.update(cuda_graphs=True, max_pages_per_row=per_row)
+            kwargs.update(cuda_graphs=True, max_pages_per_row=per_row, compile=compile)
         start = time.perf_counter()
         self.engine = torch_cp.Engine(model, max_batch * per_row, PAGE, **kwargs)
         self.setup_s = time.perf_counter() - start
@@ -126,8 +128,8 @@ def run_system(name: str, state: dict, model, prompts, new_tokens: int, device,
     prompt = len(prompts[0])
     ids = torch.tensor(prompts, device=device)
     extra = {}
-    if name == "torch_cp":
-        return state["torch_cp"].run(prompts, new_tokens, device), extra
+    if name.startswith("torch_cp"):
+        return state[name].run(prompts, new_tokens, device), extra
     if name == "hf_dynamic":
         return peers.hf_generate(model, ids, new_tokens, "dynamic", device), extra
     if name == "hf_static":
@@ -197,7 +199,7 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
             if not budget.allows(MIN_SECONDS[system]):
                 results.add(**base, skipped=f"time budget ({budget.left():.0f} s left)")
                 continue
-            reason = None if system == "torch_cp" else hf_fits(
+            reason = None if system.startswith("torch_cp") else hf_fits(
                 model.config, batch, prompt + args.new_tokens, device)
             if reason:
                 results.add(**base, skipped=reason)
@@ -206,11 +208,14 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
             prompts = torch.randint(0, model.config.vocab_size, (batch, prompt),
                                     generator=gen).tolist()
             try:
-                if system == "torch_cp" and "torch_cp" not in state:
-                    state["torch_cp"] = TorchCP(model, max(batches), prompt + args.new_tokens,
-                                                "torch" if smoke else "flashinfer", not smoke)
-                    info[f"torch_cp_setup_s_{prompt}"] = state["torch_cp"].setup_s
-                    info["torch_cp_cuda_graphs"] = state["torch_cp"].cuda_graphs
+                if system.startswith("torch_cp") and system not in state:
+                    for other in [k for k in state if k.startswith("torch_cp")]:
+                        state.pop(other).close()  # one patched engine at a time
+                    state[system] = TorchCP(model, max(batches), prompt + args.new_tokens,
+                                            "torch" if smoke else "flashinfer", not smoke,
+                                            compile=system == "torch_cp_compiled")
+                    info[f"{system}_setup_s_{prompt}"] = state[system].setup_s
+                    info["torch_cp_cuda_graphs"] = state[system].cuda_graphs
                 timing, extra = run_system(system, state, model, prompts, args.new_tokens,
                                            device, smoke)
             except Exception as error:
@@ -227,8 +232,8 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
                   f"{timing.tokens_per_s:.0f} tok/s, step {timing.step_ms} ms, "
                   f"ttft {timing.ttft_s} s ({budget.left():.0f} s left)", flush=True)
             free_cuda(device)
-        if "torch_cp" in state:
-            state.pop("torch_cp").close()
+        for key in [k for k in state if k.startswith("torch_cp")]:
+            state.pop(key).close()
         state.pop("loop", None)
         for attr in ("_cache", "_compiled_call"):  # what model.generate keeps for reuse
             model.__dict__.pop(attr, None)

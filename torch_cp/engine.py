@@ -83,12 +83,14 @@ class Engine:
         max_pages_per_row: page-table width of the captured buckets (default: the whole pool);
             a step with a longer row runs eagerly.
         mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
+        compile: capture ``torch.compile(model.forward, fullgraph=True)`` instead of the eager
+            forward (fuses the model's small kernels; needs ``cuda_graphs``).
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
                  max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, max_rows: int | None = None,
                  cuda_graphs: bool = False, max_pages_per_row: int | None = None,
-                 mixed_buckets: Sequence[tuple[int, int]] = ()):
+                 mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False):
         self.model = model
         self.runtime = runtime_of(model)
         page_size = page_size or getattr(self.runtime, "page_size", None) or DEFAULT_PAGE_SIZE
@@ -102,6 +104,8 @@ class Engine:
             problems.append(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         if cuda_graphs and torch.device(self.runtime.device).type != "cuda":
             problems.append(f"cuda_graphs needs a model on CUDA, not {self.runtime.device}")
+        if compile and not cuda_graphs:
+            problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size
@@ -119,9 +123,10 @@ class Engine:
             from torch_cp.graphs import CUDAGraphRunner, default_buckets
 
             rows = min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS)
+            forward = torch.compile(model.forward, fullgraph=True) if compile else None
             self.runner = CUDAGraphRunner(model, self.cache,
                                           default_buckets(rows, mixed_buckets),
-                                          max_pages_per_row or num_pages)
+                                          max_pages_per_row or num_pages, forward=forward)
             self.runner.capture()
 
     @property

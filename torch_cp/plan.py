@@ -6,6 +6,7 @@ lengths, page tables) plus this partner's placement, then read by every attentio
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -37,29 +38,41 @@ class PagedIndptrs:
                                                      self.last_page_len, self.table)))
 
 
+def dense_table(page_tables: Sequence[Sequence[int]] | torch.Tensor, sink_page: int,
+                width: int | None = None) -> torch.Tensor:
+    """[B, width] int64 page table padded with the sink page (width: the longest table)."""
+    if isinstance(page_tables, torch.Tensor):
+        table = page_tables.to(torch.int64)
+        if width is not None and width != table.shape[1]:
+            raise ValueError(f"a page table of {table.shape[1]} pages is not {width} wide")
+        return table
+    counts = torch.tensor([len(t) for t in page_tables], dtype=torch.int64)
+    longest = int(counts.max()) if len(page_tables) else 0
+    if width is not None and width < longest:
+        raise ValueError(f"a page table of {longest} pages exceeds table_width {width}")
+    width = max(1, longest) if width is None else width
+    table = torch.full((len(page_tables), width), sink_page, dtype=torch.int64)
+    table[torch.arange(width) < counts[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(page_tables)), dtype=torch.int64)
+    return table
+
+
 def paged_indptrs(
-    lens: torch.Tensor, page_tables: Sequence[Sequence[int]], page_size: int, sink_page: int,
-    table_width: int | None = None,
+    lens: torch.Tensor, page_tables: Sequence[Sequence[int]] | torch.Tensor, page_size: int,
+    sink_page: int, table_width: int | None = None,
 ) -> PagedIndptrs:
     """CSR over pages of ``page_size`` slots for rows of ``lens`` tokens (host tensors); the dense
     table is ``table_width`` pages wide (default: the longest page table)."""
     lens = lens.to(torch.int64)
+    table = dense_table(page_tables, sink_page, table_width)
     pages = (lens + page_size - 1) // page_size
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(pages, 0)
-    indices = [p for table, n in zip(page_tables, pages.tolist()) for p in table[:n]]
+    indices = table[torch.arange(table.shape[1]) < pages[:, None]]
     last = torch.where(lens > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
-    width = max(1, max((len(t) for t in page_tables), default=1))
-    if table_width is not None:
-        if table_width < width:
-            raise ValueError(f"a page table of {width} pages exceeds table_width {table_width}")
-        width = table_width
-    table = torch.full((len(lens), width), sink_page, dtype=torch.int32)
-    for b, t in enumerate(page_tables):
-        table[b, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
     i32 = torch.int32
-    return PagedIndptrs(lens.to(i32), indptr.to(i32), torch.tensor(indices, dtype=i32),
-                        last.to(i32), table)
+    return PagedIndptrs(lens.to(i32), indptr.to(i32), indices.to(i32), last.to(i32),
+                        table.to(i32))
 
 
 @dataclass(frozen=True)
@@ -120,9 +133,7 @@ class StepPlan:
     def context_only(self) -> StepPlan:
         """The same step with rows attending only their cached context from the pool."""
         lens = self.placement.local_length(self.ctx_lens.cpu())
-        tables = self.context_host.table.tolist()
-        host = paged_indptrs(lens, tables, self.local_page_size, self.sink_page,
-                             table_width=len(tables[0]) if tables else None)
+        host = paged_indptrs(lens, self.context_host.table, self.local_page_size, self.sink_page)
         return replace(self, context=host.to(self.positions.device), context_host=host,
                        is_decode=False)
 
@@ -181,48 +192,56 @@ def build_step_plan(
     else:
         padded_tokens = max(pad_tokens_to or num_tokens, num_tokens)
     pad_q = 1 if is_decode else 0
-    q_all = list(q_lens) + [pad_q] * (padded_rows - rows)
-    c_all = list(ctx_lens) + [0] * (padded_rows - rows)
-    tables = [list(t) for t in page_tables] + [[sink_page]] * (padded_rows - rows)
-
-    q_t = torch.tensor(q_all, dtype=torch.int64)
-    c_t = torch.tensor(c_all, dtype=torch.int64)
+    q_t = torch.tensor(list(q_lens) + [pad_q] * (padded_rows - rows), dtype=torch.int64)
+    c_t = torch.tensor(list(ctx_lens) + [0] * (padded_rows - rows), dtype=torch.int64)
+    table = dense_table(list(page_tables) + [[sink_page]] * (padded_rows - rows), sink_page,
+                        table_width)
     qo_indptr = torch.zeros(padded_rows + 1, dtype=torch.int64)
     qo_indptr[1:] = torch.cumsum(q_t, 0)
 
-    positions = torch.zeros(padded_tokens, dtype=torch.int64)
-    token_row = torch.full((padded_tokens,), -1, dtype=torch.int64)
-    pages = torch.full((padded_tokens,), sink_page, dtype=torch.int64)
-    offsets = torch.zeros(padded_tokens, dtype=torch.int64)
-    for b in range(rows):
-        start, q, c = int(qo_indptr[b]), q_all[b], c_all[b]
-        pos = torch.arange(c, c + q)
-        positions[start : start + q] = pos
-        token_row[start : start + q] = b
-        table = torch.tensor(tables[b], dtype=torch.int64)
-        pages[start : start + q] = table[pos // page_size]
-        offsets[start : start + q] = pos % page_size
-    for b in range(rows, padded_rows):  # padding rows of a decode bucket
-        start = int(qo_indptr[b])
-        token_row[start : start + q_all[b]] = b
-    physical_pages, slots = placement.write_slots(pages, offsets, sink_page)
+    # Every token of a row (padding rows of a decode bucket included), then token padding.
+    row_of = torch.repeat_interleave(torch.arange(padded_rows), q_t)
+    step = torch.arange(row_of.shape[0]) - qo_indptr[row_of]
+    real = row_of < rows
+    tail = padded_tokens - row_of.shape[0]
+    token_row = torch.cat((row_of, torch.full((tail,), -1, dtype=torch.int64)))
+    positions = torch.cat((torch.where(real, c_t[row_of] + step, 0),
+                           torch.zeros(tail, dtype=torch.int64)))
+    pages = torch.where(real, table[row_of, positions[: row_of.shape[0]] // page_size],
+                        sink_page)
+    pages = torch.cat((pages, torch.full((tail,), sink_page, dtype=torch.int64)))
+    physical_pages, slots = placement.write_slots(pages, positions % page_size, sink_page)
     write_index = physical_pages * local_page + slots
 
     attend = c_t + q_t if is_decode else c_t
-    host = paged_indptrs(placement.local_length(attend), tables, local_page, sink_page,
-                         table_width)
+    host = paged_indptrs(placement.local_length(attend), table, local_page, sink_page)
     dev = torch.device(device)
     i32 = torch.int32
+    if dev.type != "cpu":  # two host-to-device copies instead of one per tensor
+        small = [qo_indptr.to(i32), q_t.to(i32), c_t.to(i32), host.lens, host.indptr,
+                 host.indices, host.last_page_len, host.table.flatten()]
+        large = [positions, token_row, write_index]
+        small_d = torch.cat(small).pin_memory().to(dev, non_blocking=True).split(
+            [t.numel() for t in small])
+        large_d = torch.cat(large).pin_memory().to(dev, non_blocking=True).split(
+            [t.numel() for t in large])
+        qo_d, q_d, c_d, lens_d, indptr_d, indices_d, last_d, table_d = small_d
+        context = PagedIndptrs(lens_d, indptr_d, indices_d, last_d,
+                               table_d.view(host.table.shape))
+        positions_d, token_row_d, write_index_d = large_d
+    else:
+        qo_d, q_d, c_d = qo_indptr.to(i32), q_t.to(i32), c_t.to(i32)
+        context, positions_d, token_row_d, write_index_d = host, positions, token_row, write_index
     return StepPlan(
         num_rows=rows,
         num_tokens=num_tokens,
-        qo_indptr=qo_indptr.to(i32).to(dev),
-        q_lens=q_t.to(i32).to(dev),
-        ctx_lens=c_t.to(i32).to(dev),
-        positions=positions.to(dev),
-        token_row=token_row.to(dev),
-        write_index=write_index.to(dev),
-        context=host.to(dev),
+        qo_indptr=qo_d,
+        q_lens=q_d,
+        ctx_lens=c_d,
+        positions=positions_d,
+        token_row=token_row_d,
+        write_index=write_index_d,
+        context=context,
         context_host=host,
         qo_indptr_host=qo_indptr.to(i32),
         is_decode=is_decode,
