@@ -1,5 +1,6 @@
 """CUDA-graph replay of a patched model's whole step equals the eager step, and NaN on the sink
-page (which padding rows read) never reaches a real row of a captured bucket."""
+page (which padding rows read) never reaches a real row of a captured bucket; for a GQA (Qwen3)
+and an MLA (DeepSeek-V3 attention) model."""
 
 from __future__ import annotations
 
@@ -24,11 +25,25 @@ if importlib.util.find_spec("flashinfer") is not None:
     BACKENDS.append(("flashinfer", torch.bfloat16, 0.25))
 
 
+def qwen3(dtype):
+    # hidden 256 / head_dim 128 keeps the FlashInfer kernels on the prebuilt set.
+    return tiny_qwen3(seed=0, dtype=dtype, hidden_size=256, head_dim=128,
+                      num_attention_heads=4, num_key_value_heads=1)
+
+
+def deepseek_mla(dtype):
+    from test_generate_gpu import mla  # 512/64 latent, dense MLPs, vocabulary 320
+
+    return mla().to(dtype)
+
+
+MODELS = {"qwen3": qwen3, "mla": deepseek_mla}
+
+
 class Harness:
-    def __init__(self, backend: str, dtype: torch.dtype, compile_forward: bool = False):
-        # hidden 256 / head_dim 128 keeps the FlashInfer kernels on the prebuilt set.
-        self.model = tiny_qwen3(seed=0, dtype=dtype, hidden_size=256, head_dim=128,
-                                num_attention_heads=4, num_key_value_heads=1).cuda()
+    def __init__(self, backend: str, dtype: torch.dtype, compile_forward: bool = False,
+                 model: str = "qwen3"):
+        self.model = MODELS[model](dtype).cuda()
         patch_model(self.model, backend=backend, page_size=PAGE)
         self.cache = PagedKVCache.for_model(self.model, num_pages=64)
         self.alloc = PageAllocator(64, PAGE)
@@ -54,10 +69,11 @@ class Harness:
         return out.logits[0].float()
 
 
-@pytest.fixture(scope="module", params=BACKENDS, ids=[b[0] for b in BACKENDS])
+@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in BACKENDS],
+                ids=[f"{m}-{b[0]}" for m in MODELS for b in BACKENDS])
 def harness(request):
-    name, dtype, atol = request.param
-    return Harness(name, dtype), atol
+    model, (name, dtype, atol) = request.param
+    return Harness(name, dtype, model=model), atol
 
 
 def test_replay_equals_eager_and_padding_stays_out(harness):
