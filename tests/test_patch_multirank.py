@@ -65,6 +65,15 @@ CASES = [
     Case("qwen3", 1, 4, True, "tp", 2),            # 2 KV heads: 2 partners per head
     Case("qwen3_moe", 2, 2, True, "sp", 2),
     Case("glm4", 2, 2, True, "tp", 2, KV1),        # TP mode, replicated over SP
+    # Every family at P = 2 in both modes (the cases above cover some of them).
+    Case("qwen2", 1, 2, True, "tp", 2, KV1),
+    Case("qwen2", 2, 1, True, "sp", 2),
+    Case("qwen3", 2, 1, True, "sp", 2),
+    Case("qwen3_moe", 1, 2, True, "tp", 2, KV1),
+    Case("glm", 2, 1, True, "sp", 2),
+    Case("glm4", 1, 2, True, "tp", 2, KV1),
+    Case("glm4", 2, 1, True, "sp", 2),
+    Case("glm4_moe", 2, 1, True, "sp", 2),
 ]
 
 
