@@ -1,4 +1,4 @@
-"""Skip tests marked ``gpu`` on a machine without CUDA; nothing else is global."""
+"""Skip tests marked ``gpu`` on a machine without CUDA; run the suite on one intra-op thread."""
 
 import pytest
 import torch
@@ -11,3 +11,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The tests' matmuls are tiny, and on a shared 2-core machine intra-op threads only contend
+    with the other tests' processes (spawned ranks set one thread too, tests/multirank.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 import transformers
 
@@ -37,16 +36,6 @@ NEW_TOKENS = 6
 # fp32 logits of magnitude ~1-10 that differ from the reference only by float32 reassociation
 # (observed <= 3e-6), far below the smallest top-2 gap of the tiny models (> 1e-3).
 TOL = dict(atol=1e-4, rtol=1e-4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run far faster on one thread (import this
-    fixture into a test module to use it there)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(model_type: str, **overrides):

@@ -42,7 +42,6 @@ def _logits(model, cache, token_ids, q_lens, ctx_lens, tables, bucket=None):
 
 
 def _on_rank(rank: int, world: int, mode: str):
-    torch.set_num_threads(1)
     mesh = torch_cp.init_mesh(tp=world if mode == "tp" else 1, sp=world if mode == "sp" else 1,
                               device_type="cpu")
     model = torch_cp.patch_model(torch_cp.tiny_qwen3(), context_parallel=True, mesh=mesh,

@@ -48,7 +48,6 @@ def test_compiled_model_equals_eager():
 
 
 def _on_rank(rank: int, world: int):
-    torch.set_num_threads(1)
     mesh = torch_cp.init_mesh(tp=world, device_type="cpu")
     model = torch_cp.patch_model(torch_cp.tiny_qwen3(), context_parallel=True, mesh=mesh,
                                  page_size=PAGE)

@@ -15,15 +15,6 @@ PROMPTS = [[42], [200, 3, 150, 7, 99], list(range(1, 20)), [(7 * i) % 300 + 1 fo
 NEW = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: intra-op threads only contend with the other tests' processes.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens of the unpatched model, one prompt at a time (no padding anywhere)."""

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import torch_cp
 from torch_cp.generate import DEFAULT_PROMPTS
@@ -34,7 +33,6 @@ def parse(out: str) -> tuple[list[list[int]], list[int]]:
 
 @pytest.fixture(scope="module")
 def expected():
-    torch.set_num_threads(1)
     model = torch_cp.patch_model(tiny_qwen3())
     results = torch_cp.generate(model, [list(p) for p in DEFAULT_PROMPTS], 16, progress=False)
     return [list(r.token_ids) for r in results]
@@ -61,7 +59,6 @@ def test_torchrun_two_ranks_context_parallel(single_process, expected):
 
 
 def test_a_saved_checkpoint_with_its_tokenizer(tmp_path):
-    torch.set_num_threads(1)
     model, tok = tiny_qwen3(), tiny_tokenizer()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)

@@ -38,7 +38,6 @@ def _generate(model):
 
 
 def _ranks(rank: int, world_size: int):
-    torch.set_num_threads(1)
     out = {}
     for mode, sizes in MESHES.items():
         mesh = init_mesh(**sizes, device_type="cpu")
@@ -55,7 +54,6 @@ def _ranks(rank: int, world_size: int):
 
 @pytest.fixture(scope="module")
 def single():
-    torch.set_num_threads(1)
     return _generate(torch_cp.patch_model(tiny_qwen3(), page_size=PAGE))
 
 

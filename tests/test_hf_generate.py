@@ -12,14 +12,6 @@ PROMPTS = [list(range(1, 20)), [200, 3, 150, 7, 99], [42], [(5 * i) % 250 + 3 fo
 NEW = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def left_padded(prompts, pad=0):
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)

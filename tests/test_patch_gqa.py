@@ -22,7 +22,6 @@ from driver import (
     cache_kwarg,
     greedy,
     hf_greedy,
-    one_thread,  # noqa: F401  (an autouse fixture)
     tiny_config,
     tiny_model,
 )

@@ -19,7 +19,6 @@ from driver import (
     TOL,
     greedy,
     hf_greedy,
-    one_thread,  # noqa: F401  (an autouse fixture)
     tiny_model,
 )
 from multirank import run_ranks
