@@ -1,8 +1,8 @@
 """Token selection: greedy, temperature, top-k and top-p, identical on every rank.
 
-Sampling runs on the host in float32 with one ``torch.Generator`` per request, seeded from the
-call's seed and the request's index. Every rank therefore draws the same numbers for the same
-request whatever else shares its steps, and a run repeats exactly under the same seed. The engine
+Greedy picks the argmax where the logits are. Sampling runs on the host in float32 with one
+``torch.Generator`` per request, seeded from the call's seed and the request's index. Every rank
+therefore draws the same numbers for the same request whatever else shares its steps, and a run repeats exactly under the same seed. The engine
 still broadcasts rank 0's tokens (see ``torch_cp.engine``), because the logits themselves may
 differ in the last bit between ranks (a TP all-reduce or a merge in another order), and one
 flipped argmax would split the ranks' schedulers.
@@ -84,9 +84,9 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
     Returns:
         [B] int64 token ids on the host.
     """
+    if params.greedy:  # on the logits' device: only B ids cross to the host, not [B, V] logits
+        return torch.argmax(logits_bv.detach().float(), dim=-1).cpu()
     logits = logits_bv.detach().to(device="cpu", dtype=torch.float32)
-    if params.greedy:
-        return torch.argmax(logits, dim=-1)
     if generators is None or len(generators) != logits.shape[0]:
         raise ValueError("sampling with temperature > 0 needs one generator per row")
     filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
