@@ -2,10 +2,10 @@
 
 Greedy picks the argmax where the logits are. Sampling runs on the host in float32 with one
 ``torch.Generator`` per request, seeded from the call's seed and the request's index. Every rank
-therefore draws the same numbers for the same request whatever else shares its steps, and a run repeats exactly under the same seed. The engine
-still broadcasts rank 0's tokens (see ``torch_cp.engine``), because the logits themselves may
-differ in the last bit between ranks (a TP all-reduce or a merge in another order), and one
-flipped argmax would split the ranks' schedulers.
+therefore draws the same numbers for the same request whatever else shares its steps, and a run
+repeats exactly under the same seed. The engine still broadcasts rank 0's tokens (see
+``torch_cp.engine``), because the logits themselves may differ in the last bit between ranks (a
+TP all-reduce or a merge in another order), and one flipped argmax would split the schedulers.
 """
 
 from __future__ import annotations
