@@ -138,6 +138,14 @@ class StepPlan:
                        is_decode=False)
 
 
+def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Same-dtype host tensors on ``device`` through one pinned host-to-device copy."""
+    if device.type == "cpu":
+        return host
+    flat = torch.cat([t.flatten() for t in host]).pin_memory().to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host)]
+
+
 def build_step_plan(
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
@@ -217,21 +225,11 @@ def build_step_plan(
     host = paged_indptrs(placement.local_length(attend), table, local_page, sink_page)
     dev = torch.device(device)
     i32 = torch.int32
-    if dev.type != "cpu":  # two host-to-device copies instead of one per tensor
-        small = [qo_indptr.to(i32), q_t.to(i32), c_t.to(i32), host.lens, host.indptr,
-                 host.indices, host.last_page_len, host.table.flatten()]
-        large = [positions, token_row, write_index]
-        small_d = torch.cat(small).pin_memory().to(dev, non_blocking=True).split(
-            [t.numel() for t in small])
-        large_d = torch.cat(large).pin_memory().to(dev, non_blocking=True).split(
-            [t.numel() for t in large])
-        qo_d, q_d, c_d, lens_d, indptr_d, indices_d, last_d, table_d = small_d
-        context = PagedIndptrs(lens_d, indptr_d, indices_d, last_d,
-                               table_d.view(host.table.shape))
-        positions_d, token_row_d, write_index_d = large_d
-    else:
-        qo_d, q_d, c_d = qo_indptr.to(i32), q_t.to(i32), c_t.to(i32)
-        context, positions_d, token_row_d, write_index_d = host, positions, token_row, write_index
+    qo_d, q_d, c_d, lens_d, indptr_d, indices_d, last_d, table_d = _upload(
+        [qo_indptr.to(i32), q_t.to(i32), c_t.to(i32), host.lens, host.indptr, host.indices,
+         host.last_page_len, host.table], dev)
+    positions_d, token_row_d, write_index_d = _upload([positions, token_row, write_index], dev)
+    context = PagedIndptrs(lens_d, indptr_d, indices_d, last_d, table_d)
     return StepPlan(
         num_rows=rows,
         num_tokens=num_tokens,
