@@ -1,7 +1,8 @@
 """torch_cp.generate at P = 2 (TP mode over tp = 2, SP mode over sp = 2; gloo ranks) gives the
 tokens of P = 1 and of the unpatched model, sampling agrees on every rank, and each rank holds
 half the KV bytes; TP over 2 ranks without context parallelism (P = 1) gives the same tokens with
-the KV head copied. The ranks are spawned once for the module; every case runs inside them."""
+the KV head copied; model.generate of a left-padded batch at P = 2 gives the unpatched
+model's tokens. The ranks are spawned once for the module; every case runs inside them."""
 
 from __future__ import annotations
 
@@ -45,11 +46,22 @@ def _ranks(rank: int, world_size: int):
                                      page_size=PAGE)
         assert model.torch_cp.placement.size == 2
         out[mode] = _generate(model)
+        out[f"{mode} model.generate"] = _hf_generate(model)
     mesh = init_mesh(tp=2, sp=1, device_type="cpu")
     model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
     assert model.torch_cp.placement.size == 1 and model.torch_cp.tp == 2
     out["tp, no cp"] = _generate(model)
     return out
+
+
+def _hf_generate(model) -> list[list[int]]:
+    """``model.generate`` of the patched model on a left-padded batch of the non-empty prompts."""
+    prompts = [p for p in PROMPTS if p]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    return [row[width:].tolist() for row in out]
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +111,10 @@ def test_each_rank_holds_half_the_kv_and_every_page_returns(ranks, single, mode)
         assert free == PAGES
         assert per_mode["tp, no cp"][4] == single[4], "without CP each TP rank copies the head"
     assert single[5] == PAGES
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_model_generate_over_two_partners_equals_hf(ranks, hf, mode):
+    expected = [list(t) for t in hf if t]
+    for rank, per_mode in enumerate(ranks):
+        assert per_mode[f"{mode} model.generate"] == expected, f"rank {rank}"
