@@ -9,11 +9,14 @@ step's pool write in a compiled graph.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from torch_cp.attention.backend import AttentionBackend
 
-_BACKENDS: dict[int, AttentionBackend] = {}
+# Weak: a backend (and its FlashInfer workspaces) lives as long as the modules that use it.
+_BACKENDS: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
 
 
 def register_backend(backend: AttentionBackend) -> int:
