@@ -129,9 +129,9 @@ class Results:
             self.path.write_text(json.dumps(self.data, indent=1, default=str))
 
 
-def fmt(value, digits: int = 3) -> str:
+def fmt(value, digits: int = 3, missing: str = "-") -> str:
     if value is None:
-        return "-"
+        return missing
     if isinstance(value, float):
         return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
     return str(value)

@@ -1,7 +1,7 @@
 """Plot and tabulate the benchmarks' JSON results.
 
-    cd benchmarks/results && python -m benchmarks.plot generate_run1.json generate_run2.json \
-        --attention attention.json --png tokens_per_s.png
+    python -m benchmarks.plot benchmarks/results/generate_run{1,2}.json \
+        --attention benchmarks/results/attention.json --png benchmarks/results/tokens_per_s.png
 
 Writes a PNG of tokens/s against batch size for every system (one panel per model and prompt
 length) and prints markdown tables. Where several files hold the same (model, system, prompt,
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from benchmarks.common import fmt
 
 STYLE = {"torch_cp": ("tab:red", "o"), "hf_static": ("tab:blue", "s"),
          "compiled_loop": ("tab:purple", "D"), "hf_dynamic": ("tab:green", "^"),
@@ -62,12 +64,8 @@ def plot(records: list[dict], png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
-def cell(value, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
-    return str(value)
+def cell(value) -> str:
+    return fmt(value, missing="")
 
 
 def generate_table(records: list[dict]) -> str:

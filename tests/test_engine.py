@@ -1,6 +1,8 @@
 """torch_cp.generate against the unpatched Hugging Face model (greedy tokens, float32 tiny Qwen3),
 and the scheduler's admission, chunking, refusals and page accounting."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -109,22 +111,31 @@ def test_sampling_repeats_with_the_seed(model):
     assert [r.token_ids for r in a] != [r.token_ids for r in c]
 
 
-def test_refused_steps_are_retried_smaller(model, reference):
-    engine = Engine(model, num_pages=16, page_size=16, max_tokens_per_step=64)
+@contextlib.contextmanager
+def refusing(model, why):
+    """The model's backend refuses (StepRefused) every step plan ``why(plan)`` names a reason
+    for; the reasons given are collected in the yielded list."""
     backend = model.torch_cp.backend
-    plan_fn = backend.plan
-    refused = []
+    plan_fn, refused = backend.plan, []
 
-    def picky(plan):
-        if plan.num_rows > 2 or plan.num_tokens > 10:
-            refused.append((plan.num_rows, plan.num_tokens))
-            raise StepRefused("too big")
-        plan_fn(plan)
-    backend.plan = picky
+    def plan(step_plan):
+        reason = why(step_plan)
+        if reason:
+            refused.append(reason)
+            raise StepRefused(reason)
+        plan_fn(step_plan)
+    backend.plan = plan
     try:
-        results = engine.run(PROMPTS, NEW)
+        yield refused
     finally:
         del backend.plan
+
+
+def test_refused_steps_are_retried_smaller(model, reference):
+    engine = Engine(model, num_pages=16, page_size=16, max_tokens_per_step=64)
+    too_big = lambda plan: "too big" if plan.num_rows > 2 or plan.num_tokens > 10 else None
+    with refusing(model, too_big) as refused:
+        results = engine.run(PROMPTS, NEW)
     assert refused
     assert [r.token_ids for r in results] == reference
     assert engine.allocator.free_pages == 16
@@ -132,18 +143,10 @@ def test_refused_steps_are_retried_smaller(model, reference):
 
 def test_a_request_refused_even_alone_fails_and_the_others_complete(model, reference):
     engine = Engine(model, num_pages=16, page_size=16)
-    backend = model.torch_cp.backend
-    plan_fn = backend.plan
-
-    def no_long_rows(plan):
-        if int((plan.ctx_lens + plan.q_lens).max()) > 25:
-            raise StepRefused("row longer than 25 tokens")
-        plan_fn(plan)
-    backend.plan = no_long_rows
-    try:
+    too_long = lambda plan: ("row longer than 25 tokens"
+                             if int((plan.ctx_lens + plan.q_lens).max()) > 25 else None)
+    with refusing(model, too_long):
         results = engine.run(PROMPTS, NEW)
-    finally:
-        del backend.plan
     assert [r.token_ids for r in results[:2]] == reference[:2]
     # Request 2 (19 prompt tokens) grows past 25 tokens at its 7th new token and fails there.
     assert results[2].finish_reason == "error" and "row longer than 25" in results[2].error

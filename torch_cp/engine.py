@@ -248,9 +248,14 @@ def vocab_size(model) -> int:
     return config.vocab_size
 
 
+def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
+    """Pages a request holds at most (its last generated token is never cached)."""
+    return -(-max(len(prompt) + max_new_tokens - 1, 1) // page_size)
+
+
 def default_num_pages(runtime, prompts, news, page_size: int) -> int:
     """Pages for every request's whole lifetime, capped by 90% of free memory on CUDA."""
-    need = sum(-(-max(len(p) + n - 1, 1) // page_size) for p, n in zip(prompts, news))
+    need = sum(lifetime_pages(p, n, page_size) for p, n in zip(prompts, news))
     need = max(need, 1)
     device = torch.device(runtime.device)
     if device.type == "cuda":
@@ -303,10 +308,10 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
     page_size = page_size or getattr(runtime, "page_size", None) or DEFAULT_PAGE_SIZE
     if num_pages is None:
         num_pages = default_num_pages(runtime, token_prompts, [max(n, 1) for n in news], page_size)
-    lifetime_pages = max(-(-(len(p) + max(n, 1)) // page_size) for p, n in
-                         zip(token_prompts, news)) if token_prompts else 1
+    widest = max((lifetime_pages(p, max(n, 1), page_size) for p, n in zip(token_prompts, news)),
+                 default=1)
     engine = Engine(model, num_pages, page_size, max_tokens_per_step, cuda_graphs=cuda_graphs,
-                    max_pages_per_row=min(lifetime_pages, num_pages))
+                    max_pages_per_row=min(widest, num_pages))
     eos = eos_ids(model, eos_token_id, tokenizer)
     results = engine.run(token_prompts, news, sampling, eos, progress)
     if tokenizer is None:
