@@ -41,10 +41,15 @@ MODELS = {"qwen3": qwen3, "mla": deepseek_mla}
 
 
 class Harness:
+    """A patched model, its pool and captured buckets. With ``mesh`` the model is patched for
+    context parallelism in ``mode`` (every rank of the mesh builds its own Harness)."""
+
     def __init__(self, backend: str, dtype: torch.dtype, compile_forward: bool = False,
-                 model: str = "qwen3"):
+                 model: str = "qwen3", mesh=None, mode: str = "tp"):
         self.model = MODELS[model](dtype).cuda()
-        patch_model(self.model, backend=backend, page_size=PAGE)
+        patch_model(self.model, context_parallel=mesh is not None, mesh=mesh, mode=mode,
+                    backend=backend, page_size=PAGE)
+        self.placement = self.model.torch_cp.placement
         self.cache = PagedKVCache.for_model(self.model, num_pages=64)
         self.alloc = PageAllocator(64, PAGE)
         forward = (torch.compile(self.model.forward, fullgraph=True) if compile_forward
@@ -58,7 +63,8 @@ class Harness:
 
     def eager(self, token_ids, q_lens, ctx_lens, tables, logit_rows):
         plan = build_step_plan(q_lens, ctx_lens, tables, page_size=PAGE,
-                               sink_page=self.cache.pool.sink_page, device="cuda")
+                               sink_page=self.cache.pool.sink_page, placement=self.placement,
+                               device="cuda")
         self.cache.begin_step(plan)
         ends = plan.qo_indptr_host[1:].long() - 1
         with torch.inference_mode():
@@ -77,7 +83,12 @@ def harness(request):
 
 
 def test_replay_equals_eager_and_padding_stays_out(harness):
-    h, atol = harness
+    check_replay_and_padding(*harness)
+
+
+def check_replay_and_padding(h: Harness, atol: float) -> None:
+    """Replays equal eager steps (extend and decode), and NaN padding never reaches a real row.
+    Over several partners every rank runs it with the same inputs (tests/nccl_checks.py)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 17, 33)]
     rows = range(len(prompts))
