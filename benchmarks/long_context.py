@@ -75,7 +75,7 @@ class Decoder:
         e = self.engine
         for row in range(batch):
             assert e.allocator.reserve(row, context + 1)
-        tables = [e.allocator.table(row) for row in range(batch)]
+        tables = [e.allocator.table_tensor(row) for row in range(batch)]
         ids, rows = [1] * batch, list(range(batch))
 
         def step():
@@ -157,7 +157,7 @@ def run_p(name: str, p: int, mesh, args, device, results: Results, rank: int) ->
             record["step_ms"] = time_steps(step, device, args.iters)
             record["replayed"] = decoder.engine.runner is not None and \
                 decoder.engine.runner.bucket_for([1] * batch, len(
-                    decoder.engine.allocator.table(0))) is not None
+                    decoder.engine.allocator.table_tensor(0))) is not None
             if p > 1:
                 nccl = nccl_ms_per_step(step, device)
                 record["exchange_ms"] = nccl

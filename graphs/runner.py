@@ -6,6 +6,7 @@ writes never touch a real page and their keys are masked from every real row.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,6 +20,19 @@ from torch_cp.graphs.static_plan import StaticPlan
 from torch_cp.plan import build_step_plan
 
 log = logging.getLogger("torch_cp")
+
+
+def capture_stream(device) -> torch.cuda.Stream:
+    """One side stream per device for every capture: cuBLAS keeps a workspace (32 MiB on
+    Hopper) for each stream it ran on until the process ends, so a new stream per engine would
+    leak one workspace per engine."""
+    device = torch.device(device)
+    return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _stream_of(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))
 
 
 class _Captured:
@@ -81,7 +95,7 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first, in one memory pool. Every row of a capture step is
         padding, so its writes land on the sink page."""
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         backend = self.cache.runtime.backend
         for bucket in sorted(self.buckets, reverse=True):
             if hasattr(backend, "add_bucket"):

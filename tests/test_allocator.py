@@ -71,6 +71,12 @@ class Partners(RuleBasedStateMachine):
                 assert other.table(request) == first.table(request)
 
     @invariant()
+    def table_tensor_mirrors_table(self):
+        a = self.partners[0]
+        for request in [*a.live_requests, "never-reserved"]:
+            assert a.table_tensor(request).tolist() == a.table(request)
+
+    @invariant()
     def every_page_is_free_or_held_by_one_request(self):
         a = self.partners[0]
         held = [p for r in a.live_requests for p in a.table(r)]

@@ -1,5 +1,7 @@
-"""An Engine with CUDA graphs (and its patched model) frees every byte when the user drops it:
-the pool, the captured graphs' memory pool and the FlashInfer workspaces."""
+"""An Engine (with or without CUDA graphs) and its patched model are freed when the user drops
+them: the pool, the captured graphs' memory and the FlashInfer workspaces. FlashInfer keeps a
+32 MiB buffer of its own for the process once its kernels have run, so the check is that a
+second engine leaves nothing behind that the first did not."""
 
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ def referrers(obj) -> str:
     return "\n".join(f"{type(r).__name__}: {str(r)[:160]}" for r in gc.get_referrers(obj))
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_dropped_engine_returns_its_memory(cuda_graphs):
+def allocated() -> int:
     gc.collect()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    return torch.cuda.memory_allocated()
+
+
+def run_and_drop(cuda_graphs: bool) -> int:
+    """Generate with a fresh patched model and engine, drop both; returns the pool's bytes."""
     model = torch_cp.tiny_qwen3(seed=0, dtype=torch.bfloat16, hidden_size=256, head_dim=128,
                                 num_attention_heads=4, num_key_value_heads=1).cuda()
     torch_cp.patch_model(model, backend="flashinfer")
@@ -34,11 +39,18 @@ def test_dropped_engine_returns_its_memory(cuda_graphs):
                              max_rows=8, max_pages_per_row=8)
     assert engine.run([[1, 2, 3], [4, 5]], 4)[0].ok
     pool_bytes = engine.kv_bytes
-    assert torch.cuda.memory_allocated() - before >= pool_bytes
     alive = weakref.ref(engine.pool), weakref.ref(model)
     del engine, model
     gc.collect()
-    torch.cuda.synchronize()
     held = [w() for w in alive if w() is not None]
     assert not held, "\n\n".join(referrers(h) for h in held)
-    assert torch.cuda.memory_allocated() - before < pool_bytes // 4
+    return pool_bytes
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_dropped_engine_returns_its_memory(cuda_graphs):
+    run_and_drop(cuda_graphs)  # FlashInfer's own process-wide buffers are allocated once here
+    before = allocated()
+    for _ in range(2):
+        pool_bytes = run_and_drop(cuda_graphs)
+    assert allocated() - before < pool_bytes // 64, "dropped engines left memory allocated"

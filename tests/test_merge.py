@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_cp.attention import AttentionGeometry, Partial, TorchBackend, merge_partials, merge_two
+from torch_cp.attention.merge import merge_states_applies
 from torch_cp.attention.torch_ref import dense_partial
 from torch_cp.kv import GQAPool, MLAPool
 from torch_cp.placement import ContextParallel
@@ -208,3 +209,15 @@ def test_torch_backend_equals_plain_attention(kind, batch, padding, dtype):
         out, lse = plain_attention(q[i], k, v, geometry.scale)
         torch.testing.assert_close(partial.out[i].double(), out, **tol(dtype))
         torch.testing.assert_close(partial.lse[i].double(), lse, **F32_TOL)
+
+
+def test_flashinfer_merge_states_only_where_it_launches():
+    """bf16/fp16 at <= 64 heads of 128 or <= 32 heads of 512 (see torch_cp.attention.merge)."""
+    def geometry(heads, dim_v):
+        return AttentionGeometry("gqa", heads, 1, dim_v, dim_v, 1.0, heads)
+
+    assert merge_states_applies(geometry(64, 128), torch.bfloat16)
+    assert not merge_states_applies(geometry(65, 128), torch.bfloat16)
+    assert merge_states_applies(geometry(32, 512), torch.bfloat16)
+    assert not merge_states_applies(geometry(64, 512), torch.bfloat16)
+    assert not merge_states_applies(geometry(32, 128), torch.float32)

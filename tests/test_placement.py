@@ -156,6 +156,14 @@ def test_step_plan_matches_enumeration(step):
             assert view.indices.tolist() == indices
             assert view.last_page_len.tolist() == last
             assert view.table.tolist() == dense
+        # Page tables held as tensors (PageAllocator.table_tensor), some rows only: same plan.
+        held = [torch.tensor(t, dtype=torch.int64) if b % 2 == 0 else t
+                for b, t in enumerate(tables)]
+        same = build_step_plan(q_lens, ctx_lens, held, page_size=page_size, sink_page=sink,
+                               placement=placement(size, rank))
+        assert torch.equal(same.write_index, plan.write_index)
+        for name in ("lens", "indptr", "indices", "last_page_len", "table"):
+            assert torch.equal(getattr(same.context_host, name), getattr(plan.context_host, name))
         ctx_only = plan.context_only().context
         expect = expected_context(ctx_lens, tables, size, rank, page_size, sink)
         assert [ctx_only.lens.tolist(), ctx_only.indptr.tolist(), ctx_only.indices.tolist(),

@@ -202,7 +202,7 @@ class Engine:
         ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
         sampled = [b for b, r in enumerate(rows) if r.samples]
         q_lens, ctx_lens = [r.length for r in rows], [r.start for r in rows]
-        tables = [self.allocator.table(r.request) for r in rows]
+        tables = [self.allocator.table_tensor(r.request) for r in rows]
         logits = None
         if self.runner is not None:
             logits = self.runner.step(ids, q_lens, ctx_lens, tables, sampled)

@@ -66,7 +66,7 @@ class GenerateCache(PagedKVCache):
         token_index = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
         plan = build_step_plan(
             [q_lens[r] for r in rows], [self.row_lens[r] for r in rows],
-            [self.allocator.table(r) for r in rows], page_size=self.pool.page_size,
+            [self.allocator.table_tensor(r) for r in rows], page_size=self.pool.page_size,
             sink_page=self.pool.sink_page, placement=self.runtime.placement,
             device=self.runtime.device, token_index=token_index)
         self.begin_step(plan)

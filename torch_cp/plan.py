@@ -52,8 +52,13 @@ def dense_table(page_tables: Sequence[Sequence[int]] | torch.Tensor, sink_page: 
         raise ValueError(f"a page table of {longest} pages exceeds table_width {width}")
     width = max(1, longest) if width is None else width
     table = torch.full((len(page_tables), width), sink_page, dtype=torch.int64)
-    table[torch.arange(width) < counts[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(page_tables)), dtype=torch.int64)
+    if any(isinstance(t, torch.Tensor) for t in page_tables):
+        # Tables held as tensors (PageAllocator.table_tensor): one copy, however long they are.
+        flat = torch.cat([t.to(torch.int64) if isinstance(t, torch.Tensor)
+                          else torch.tensor(t, dtype=torch.int64) for t in page_tables])
+    else:
+        flat = torch.tensor(list(itertools.chain.from_iterable(page_tables)), dtype=torch.int64)
+    table[torch.arange(width) < counts[:, None]] = flat
     return table
 
 

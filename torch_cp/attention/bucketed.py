@@ -41,6 +41,10 @@ class BucketedBackend:
     def geometry(self):
         return self.eager.geometry
 
+    @property
+    def dtype(self):
+        return getattr(self.eager, "dtype", None)
+
     def add_bucket(self, bucket: GraphBucket) -> None:
         """Make a backend for ``bucket`` (a no-op when the eager backend serves every shape)."""
         if self.for_bucket is not None and (bucket.rows, bucket.tokens) not in self.buckets:

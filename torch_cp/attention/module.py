@@ -7,13 +7,14 @@ from torch import nn
 
 from torch_cp.attention.backend import AttentionBackend
 from torch_cp.attention.exchange import Exchange
+from torch_cp.attention.merge import partner_merge
 from torch_cp.attention.ops import (
     context_partial,
     own_partial,
     pool_layer_tensors,
     register_backend,
 )
-from torch_cp.attention.partial import Partial, merge_partials, merge_two
+from torch_cp.attention.partial import Partial, merge_two
 from torch_cp.plan import StepPlan
 
 
@@ -35,6 +36,7 @@ class ContextParallelAttention(nn.Module):
         self.backend = backend
         self.exchange = exchange
         self.handle = register_backend(backend)
+        self.merge = partner_merge(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool,
                 plan: StepPlan) -> torch.Tensor:
@@ -55,7 +57,7 @@ class ContextParallelAttention(nn.Module):
         if placement.size > 1:
             exchanged = (self.exchange.return_partials(partial) if tp_mode
                          else self.exchange.gather_partials(partial))
-            partial = merge_partials(*exchanged)
+            partial = self.merge(*exchanged)
         if not plan.is_decode:
             partial = merge_two(partial, Partial(*own_partial(q, k, v, self.handle)))
         return partial.out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 
 class PageAllocator:
     """Free list of logical page ids and the page table of each live request.
@@ -20,6 +22,7 @@ class PageAllocator:
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
         self._tables: dict[object, list[int]] = {}
+        self._arrays: dict[object, torch.Tensor] = {}  # the same tables, with room to grow
 
     @property
     def free_pages(self) -> int:
@@ -30,6 +33,14 @@ class PageAllocator:
 
     def table(self, request_id) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def table_tensor(self, request_id) -> torch.Tensor:
+        """``table(request_id)`` as an int64 CPU tensor (a view valid until the request's next
+        ``reserve`` or ``release``): step planning copies it instead of converting a long list
+        of Python ints every step."""
+        array = self._arrays.get(request_id)
+        n = len(self.table(request_id))
+        return array[:n] if array is not None else torch.empty(0, dtype=torch.int64)
 
     def missing_pages(self, request_id, num_tokens: int) -> int:
         return max(0, self.pages_for(num_tokens) - len(self.table(request_id)))
@@ -44,12 +55,23 @@ class PageAllocator:
         if missing > len(self._free):
             return False
         table = self._tables.setdefault(request_id, [])
-        table.extend(self._free.popleft() for _ in range(missing))
+        new = [self._free.popleft() for _ in range(missing)]
+        table.extend(new)
+        if new:
+            array = self._arrays.get(request_id)
+            if array is None or array.numel() < len(table):
+                capacity = 0 if array is None else array.numel()
+                grown = torch.empty(max(len(table), 2 * capacity, 8), dtype=torch.int64)
+                if array is not None:
+                    grown[:len(table) - len(new)] = array[:len(table) - len(new)]
+                array = self._arrays[request_id] = grown
+            array[len(table) - len(new):len(table)] = torch.tensor(new, dtype=torch.int64)
         return True
 
     def release(self, request_id) -> None:
         """Return every page of ``request_id`` to the free list (a no-op for unknown ids)."""
         self._free.extend(self._tables.pop(request_id, []))
+        self._arrays.pop(request_id, None)
 
     @property
     def live_requests(self) -> list:

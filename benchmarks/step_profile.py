@@ -1,0 +1,118 @@
+"""Where a decode step's time goes: host phases, the captured graph on the GPU, its kernels.
+
+    python -m benchmarks.step_profile --model qwen3 --batch 1 --context 512 [--compile]
+
+Builds the benchmarked model (``benchmarks.models``), an engine with CUDA graphs, one batch of
+rows at ``--context`` tokens (pool of zeros), and then times the phases of
+``CUDAGraphRunner.step`` one by one on the host (plan, load into the static plan, backend plan,
+inputs, replay launch, wait, token to the host); the replay alone back to back (GPU time of the
+graph); and lists the graph's kernels by CUDA time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import torch_cp
+from benchmarks import models
+from benchmarks.common import run_header, time_ms
+
+PAGE = 16
+
+
+def phases(runner, ids, q_lens, ctx_lens, tables, rows, iters: int) -> dict[str, float]:
+    """Mean milliseconds of each host phase of one replayed step."""
+    names = ("plan", "static_load", "backend_plan", "inputs", "launch", "wait", "token")
+    total = dict.fromkeys(names, 0.0)
+    bucket = runner.bucket_for(q_lens, max(len(t) for t in tables))
+    c = runner.captured[bucket]
+    for _ in range(iters):
+        t = [time.perf_counter()]
+        plan = runner._plan(bucket, q_lens, ctx_lens, tables)
+        t.append(time.perf_counter())
+        plan = c.static.load(plan)
+        t.append(time.perf_counter())
+        runner.cache.begin_step(plan)
+        t.append(time.perf_counter())
+        ends = plan.qo_indptr_host[1:].long() - 1
+        c.input_ids.fill_(0)
+        c.input_ids[0, :len(ids)].copy_(torch.tensor(ids))
+        c.logit_tokens.zero_()
+        c.logit_tokens[:len(rows)].copy_(ends[rows])
+        t.append(time.perf_counter())
+        c.graph.replay()
+        t.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        c.logits[:len(rows)].argmax(-1).tolist()
+        t.append(time.perf_counter())
+        for name, a, b in zip(names, t, t[1:]):
+            total[name] += (b - a) * 1e3 / iters
+    return total
+
+
+def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], float, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize(device)
+    rows = [dict(kernel=e.key[:90], ms_per_step=e.self_device_time_total / 1e3 / steps,
+                 calls_per_step=e.count / steps)
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(r["ms_per_step"] for r in rows)
+    calls = int(sum(r["calls_per_step"] for r in rows))
+    return rows[:top], total, calls
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    model = models.build(args.model, device, torch.bfloat16)
+    torch_cp.patch_model(model, backend="flashinfer", page_size=PAGE)
+    width = -(-(args.context + 1) // PAGE)
+    start = time.perf_counter()
+    engine = torch_cp.Engine(model, args.batch * width, PAGE, max_rows=args.batch,
+                             cuda_graphs=True, max_pages_per_row=width, compile=args.compile)
+    setup_s = time.perf_counter() - start
+    for row in range(args.batch):
+        assert engine.allocator.reserve(row, args.context + 1)
+    tables = [engine.allocator.table_tensor(r) for r in range(args.batch)]
+    rows = list(range(args.batch))
+    step = dict(ids=[1] * args.batch, q_lens=[1] * args.batch, ctx_lens=[args.context] * args.batch,
+                tables=tables, rows=rows)
+    runner = engine.runner
+    phases(runner, **step, iters=3)
+    host = phases(runner, **step, iters=args.iters)
+    bucket = runner.bucket_for(step["q_lens"], width)
+    graph = runner.captured[bucket].graph
+    replay_ms = time_ms(graph.replay, device, iters=args.iters)
+    top, kernel_ms, calls = kernels(graph, device)
+    out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
+               compiled=args.compile, setup_s=setup_s, host_phases_ms=host,
+               step_ms=sum(host.values()), replay_only_ms=replay_ms, kernel_ms=kernel_ms,
+               kernels_per_step=calls, top_kernels=top)
+    print(json.dumps({k: v for k, v in out.items() if k != "top_kernels"}, indent=1))
+    for r in top:
+        print(f"{r['ms_per_step']:8.3f} ms {r['calls_per_step']:6.0f}x  {r['kernel']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

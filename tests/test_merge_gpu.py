@@ -1,0 +1,39 @@
+"""FlashInfer's merge_states as the partner merge: equal to the torch merge within bf16 rounding,
+empty partials weigh nothing, rows with no keys at all give out 0 and lse -inf (no NaN)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from torch_cp.attention.merge import flashinfer_merge
+from torch_cp.attention.partial import merge_partials
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs FlashInfer"),
+]
+
+
+@pytest.mark.parametrize("partners,heads,dim", [(2, 32, 128), (4, 64, 128), (2, 32, 512),
+                                                (4, 16, 512)])
+def test_merge_states_equals_the_torch_merge(partners, heads, dim):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 37
+    out = torch.randn(partners, n, heads, dim, device="cuda", generator=g).bfloat16()
+    lse = torch.randn(partners, n, heads, device="cuda", generator=g) * 8
+    empty = torch.rand(partners, n, heads, device="cuda", generator=g) < 0.3
+    empty[:, :3] = True  # rows with no keys on any partner (e.g. padding rows)
+    lse = lse.masked_fill(empty, float("-inf"))
+    out = out.masked_fill(empty[..., None], 0)
+    want = merge_partials(out, lse)
+    got = flashinfer_merge(out, lse)
+    assert torch.isfinite(got.out).all()
+    assert torch.equal(got.out[:3], torch.zeros_like(got.out[:3]))
+    assert torch.isneginf(got.lse[:3]).all() and torch.isneginf(want.lse[:3]).all()
+    # Both merge in float32 and round the output to bf16 once: at most an ulp apart (2^-7
+    # relative on outputs of O(1)); the float32 LSEs agree to float32 rounding of O(10) values.
+    torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2 ** -7)
+    torch.testing.assert_close(got.lse, want.lse, atol=1e-4, rtol=1e-5)
