@@ -174,7 +174,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--models", default="qwen3,mla")
-    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--contexts", default=None,
+                        help="comma-separated (default 32768,131072; --smoke: 256,1024)")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reserve-gib", type=float, default=6.0)
@@ -183,7 +184,8 @@ def main() -> None:
                         help="capture torch.compile(model.forward) (Engine(compile=True))")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     args = parser.parse_args()
-    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.contexts = [int(c) for c in (args.contexts or (
+        "256,1024" if args.smoke else "32768,131072")).split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
