@@ -1,9 +1,9 @@
 """MLA families (models/mla.py): absorbed attention over the placed latent pool equals the Hugging
 Face module's own decompressed attention, for prefill, extend and decode steps; a patched model
-generates the unpatched model's greedy tokens.
+generates the unpatched model's greedy tokens (tests/test_generate_mla.py).
 
 The attention-level harness builds the pool, plan and backend by hand from the core, apart from
-patch_model; the end-to-end tests go through patch_model and tests/driver.py.
+patch_model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-from driver import greedy
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeLiteConfig
 
 from torch_cp.attention import ContextParallelAttention, Exchange, TorchBackend
@@ -20,7 +19,6 @@ from torch_cp.cache import PagedKVCache
 from torch_cp.kv import MLAPool, PageAllocator
 from torch_cp.mesh import kv_head_replicas
 from torch_cp.models.mla import FAMILY
-from torch_cp.patch import patch_model
 from torch_cp.placement import ContextParallel
 from torch_cp.plan import build_step_plan
 from torch_cp.runtime import ModelRuntime
@@ -292,59 +290,3 @@ def test_forward_without_paged_cache_is_a_clear_error():
     x = torch.zeros(1, 2, config.hidden_size)
     with pytest.raises(TypeError, match="PagedKVCache"):
         FAMILY.forward(attn, x, (x, x), None)
-
-
-def prompts_for(config, lengths=(5, 11, 3), seed: int = 3) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-
-
-@torch.no_grad()
-def hf_greedy(model, prompts, max_new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
-    """The unpatched model's own generate, one prompt at a time (no padding): tokens, and the
-    logits [rows, vocab] the last token of each row was picked from."""
-    tokens, logits = [], []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logits.append(out.logits[-1][0].float())
-    return tokens, torch.stack(logits)
-
-
-E2E_VARIANTS = [VARIANTS[0], VARIANTS[1], VARIANTS[3], VARIANTS[4]]
-
-
-@pytest.mark.parametrize("variant", E2E_VARIANTS, ids=_id)
-def test_patched_greedy_equals_hf_generate(variant):
-    """P = 1: patch_model + the packed greedy driver give HF generate's tokens and last logits."""
-    family, kw = variant
-    config = tiny_config(family, **kw)
-    prompts = prompts_for(config)
-    want_tokens, want_logits = hf_greedy(tiny_model(config), prompts, 6)
-    model = patch_model(tiny_model(config), page_size=4)
-    got = greedy(model, prompts, 6)
-    assert got.tokens == want_tokens
-    torch.testing.assert_close(got.last_logits, want_logits, **LOGIT_TOL)
-
-
-@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=_id)
-def test_patched_hf_generate_left_padded_batch(variant):
-    """P = 1: the patched model's own ``generate`` on a left-padded batch (the padded [B, S] input
-    read through ``plan.token_index``) gives the unpadded per-prompt HF tokens and last logits."""
-    family, kw = variant
-    config = tiny_config(family, **kw)
-    prompts = prompts_for(config)
-    want_tokens, want_logits = hf_greedy(tiny_model(config), prompts, 6)
-    model = patch_model(tiny_model(config), page_size=4)
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, prompt in enumerate(prompts):
-        ids[b, width - len(prompt):] = torch.tensor(prompt)
-        mask[b, width - len(prompt):] = 1
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    assert out.sequences[:, width:].tolist() == want_tokens
-    torch.testing.assert_close(out.logits[-1].float(), want_logits, **LOGIT_TOL)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from driver import greedy
+from driver import greedy, hf_greedy
 from multirank import run_ranks
-from test_patch_mla import LOGIT_TOL, hf_greedy, prompts_for, tiny_config, tiny_model
+from test_generate_mla import prompts_for
+from test_patch_mla import LOGIT_TOL, tiny_config, tiny_model
 
 from torch_cp.mesh import init_mesh
 from torch_cp.patch import patch_model

@@ -12,8 +12,6 @@ the schedulers; with the same seed, sampling itself is also identical on every r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -21,8 +19,16 @@ from tqdm import tqdm
 
 from torch_cp.cache import PagedKVCache, cache_kwarg
 from torch_cp.kv.allocator import PageAllocator
+from torch_cp.memory import default_num_pages, lifetime_pages
 from torch_cp.plan import build_step_plan
-from torch_cp.requests import Prompt, check_request, normalize_prompts
+from torch_cp.requests import (
+    Prompt,
+    Result,
+    check_request,
+    eos_ids,
+    normalize_prompts,
+    vocab_size,
+)
 from torch_cp.sampling import SamplingParams, sample
 from torch_cp.scheduler import Request, Row, Scheduler, StepRefused
 
@@ -30,29 +36,6 @@ DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_GRAPH_ROWS = 64
 GREEDY = SamplingParams()
-
-
-@dataclass(frozen=True)
-class Result:
-    """What one request produced.
-
-    Attributes:
-        index: the request's position in the ``prompts`` given to ``generate``.
-        token_ids: generated tokens (an EOS token that ended the request included).
-        finish_reason: ``"eos"``, ``"length"`` (max_new_tokens reached) or ``"error"``.
-        text: the decoded tokens when a tokenizer was given, else ``None``.
-        error: why the request failed (``finish_reason == "error"``), else ``None``.
-    """
-
-    index: int
-    token_ids: tuple[int, ...]
-    finish_reason: Literal["eos", "length", "error"]
-    text: str | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.finish_reason != "error"
 
 
 def runtime_of(model):
@@ -242,31 +225,6 @@ def _broadcast_from_rank0(tokens: torch.Tensor, device: torch.device) -> torch.T
     return t.cpu()
 
 
-def vocab_size(model) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
-    return config.vocab_size
-
-
-def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
-    """Pages a request holds at most (its last generated token is never cached)."""
-    return -(-max(len(prompt) + max_new_tokens - 1, 1) // page_size)
-
-
-def default_num_pages(runtime, prompts, news, page_size: int) -> int:
-    """Pages for every request's whole lifetime, capped by 90% of free memory on CUDA."""
-    need = sum(lifetime_pages(p, n, page_size) for p, n in zip(prompts, news))
-    need = max(need, 1)
-    device = torch.device(runtime.device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        probe = runtime.new_pool(1, page_size)
-        per_page = probe.bytes // 2  # one page plus the sink page
-        del probe
-        need = max(1, min(need, int(0.9 * free) // per_page))
-    return need
-
-
 def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Sequence[int] = 32,
              *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
@@ -319,14 +277,3 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
     return [Result(r.index, r.token_ids, r.finish_reason,
                    tokenizer.decode(list(r.token_ids), skip_special_tokens=True), r.error)
             for r in results]
-
-
-def eos_ids(model, eos_token_id, tokenizer) -> tuple[int, ...]:
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None and tokenizer is not None:
-        eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return ()
-    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)

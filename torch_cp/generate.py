@@ -86,8 +86,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
 
+    from torch_cp.memory import default_num_pages
     from torch_cp.mesh import init_mesh
     from torch_cp.patch import patch_model
+    from torch_cp.requests import eos_ids
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
@@ -104,10 +106,10 @@ def main(argv=None) -> int:
     prompts = prompts_of(args, tokenizer)
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
-    num_pages = engine.default_num_pages(runtime, prompts, news, args.page_size)
+    num_pages = default_num_pages(runtime, prompts, news, args.page_size)
     eng = engine.Engine(model, num_pages, args.page_size, args.max_tokens_per_step)
     sampling = engine.SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    results = eng.run(prompts, news, sampling, engine.eos_ids(model, None, tokenizer),
+    results = eng.run(prompts, news, sampling, eos_ids(model, None, tokenizer),
                       progress=not args.no_progress)
     kv = [eng.kv_bytes]
     if dist.is_initialized():

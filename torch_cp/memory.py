@@ -1,4 +1,5 @@
-"""KV-cache bytes per rank, from the pool geometry: what context parallelism saves."""
+"""KV-cache sizing: bytes per rank from the pool geometry (what context parallelism saves), and
+the pages a batch of requests needs."""
 
 from __future__ import annotations
 
@@ -56,3 +57,22 @@ def kv_bytes_per_rank(model_or_config, tokens: int, partners: int = 1, page_size
     pages = -(-tokens // page_size)
     element = torch.empty((), dtype=dtype).element_size()
     return layers * pages * (page_size // partners) * per_slot * element
+
+
+def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
+    """Pages a request holds at most (its last generated token is never cached)."""
+    return -(-max(len(prompt) + max_new_tokens - 1, 1) // page_size)
+
+
+def default_num_pages(runtime, prompts, news, page_size: int) -> int:
+    """Pages for every request's whole lifetime, capped by 90% of free memory on CUDA."""
+    need = sum(lifetime_pages(p, n, page_size) for p, n in zip(prompts, news))
+    need = max(need, 1)
+    device = torch.device(runtime.device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        probe = runtime.new_pool(1, page_size)
+        per_page = probe.bytes // 2  # one page plus the sink page
+        del probe
+        need = max(1, min(need, int(0.9 * free) // per_page))
+    return need

@@ -1,8 +1,11 @@
-"""Prompts as the user gives them -> token-id lists, and the checks a request must pass."""
+"""Prompts as the user gives them -> token-id lists, the checks a request must pass, its stop
+tokens, and what it produced (``Result``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -63,3 +66,43 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capaci
                         f"needs {needed} cached tokens, more than the pool can ever hold "
                         f"({capacity})")
     return "; ".join(problems) or None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one request produced.
+
+    Attributes:
+        index: the request's position in the ``prompts`` given to ``generate``.
+        token_ids: generated tokens (an EOS token that ended the request included).
+        finish_reason: ``"eos"``, ``"length"`` (max_new_tokens reached) or ``"error"``.
+        text: the decoded tokens when a tokenizer was given, else ``None``.
+        error: why the request failed (``finish_reason == "error"``), else ``None``.
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    finish_reason: Literal["eos", "length", "error"]
+    text: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != "error"
+
+
+def vocab_size(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    return config.vocab_size
+
+
+def eos_ids(model, eos_token_id, tokenizer) -> tuple[int, ...]:
+    if eos_token_id is None:
+        config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
