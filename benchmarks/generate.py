@@ -6,6 +6,9 @@ each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EO
 
 - ``torch_cp``: ``torch_cp.Engine(..., cuda_graphs=True)`` over a patched model (P = 1,
   FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per block;
+  ``torch_cp_overlap``: the same with ``overlap_planning=True`` (the next decode step planned
+  while this one runs); ``torch_cp_compiled``: with ``compile=True`` (the captured step is
+  ``torch.compile(model.forward, fullgraph=True)``);
 - ``hf_static``: ``model.generate`` with the static cache, compiled by transformers' default
   CompileConfig (a warm-up call per shape first, which includes the compile);
 - ``hf_dynamic``: ``model.generate`` with the dynamic cache, eager;
@@ -38,11 +41,13 @@ from benchmarks import models, peers
 from benchmarks.common import Budget, Results, copy_bandwidth, free_cuda, run_header, sync, table
 from benchmarks.peers import Timing
 
-SYSTEMS = ("torch_cp", "torch_cp_compiled", "hf_dynamic", "generate_batch", "hf_static",
+SYSTEMS = ("torch_cp", "torch_cp_overlap", "torch_cp_compiled", "hf_dynamic", "generate_batch",
+           "hf_static",
            "compiled_loop")
 PAGE = 16
 # Seconds a system needs at least before it is started (the first compiled call compiles).
-MIN_SECONDS = dict(torch_cp=10, torch_cp_compiled=40, hf_dynamic=10, generate_batch=20,
+MIN_SECONDS = dict(torch_cp=10, torch_cp_overlap=10, torch_cp_compiled=40, hf_dynamic=10,
+                   generate_batch=20,
                    hf_static=90, compiled_loop=90)
 
 
@@ -50,10 +55,12 @@ class TorchCP:
     """One patched model and one engine (CUDA graphs captured once) for every run."""
 
     def __init__(self, model, max_batch: int, max_len: int, backend: str, cuda_graphs: bool,
-                 compile: bool = False):
+                 compile: bool = False, overlap: bool = False):
         torch_cp.patch_model(model, backend=backend, page_size=PAGE)
         per_row = -(-max_len // PAGE)
         kwargs = dict(max_rows=max_batch)
+        if overlap:
+            kwargs.update(overlap_planning=True)
         params = inspect.signature(torch_cp.Engine).parameters
         self.cuda_graphs = cuda_graphs and "cuda_graphs" in params
         if self.cuda_graphs:
@@ -213,7 +220,8 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
                         state.pop(other).close()  # one patched engine at a time
                     state[system] = TorchCP(model, max(batches), prompt + args.new_tokens,
                                             "torch" if smoke else "flashinfer", not smoke,
-                                            compile=system == "torch_cp_compiled")
+                                            compile=system == "torch_cp_compiled",
+                                            overlap=system == "torch_cp_overlap")
                     info[f"{system}_setup_s_{prompt}"] = state[system].setup_s
                     info["torch_cp_cuda_graphs"] = state[system].cuda_graphs
                 timing, extra = run_system(system, state, model, prompts, args.new_tokens,

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch_cp
 from benchmarks import models
 from benchmarks.common import Results, free_cuda, run_header, table
+from torch_cp.scheduler import Row
 
 PAGE = 16
 SETUPS = {"qwen3": "sp", "mla": "tp"}
@@ -68,6 +69,7 @@ class Decoder:
         self.engine = torch_cp.Engine(model, num_pages, PAGE, max_rows=max_batch,
                                       cuda_graphs=graphs, compile=compile and graphs,
                                       max_pages_per_row=-(-(max_context + 64) // PAGE))
+        self.replayed = False  # whether the last step replayed a CUDA graph
 
     def step_fn(self, batch: int, context: int):
         """A decode step of ``batch`` rows at ``context`` tokens (the pool holds zeros: the
@@ -77,14 +79,12 @@ class Decoder:
             assert e.allocator.reserve(row, context + 1)
         tables = [e.allocator.table_tensor(row) for row in range(batch)]
         ids, rows = [1] * batch, list(range(batch))
+        following = [Row(row, context, 1, samples=True) for row in range(batch)]
 
         def step():
-            logits = None
-            if e.runner is not None:
-                logits = e.runner.step(ids, [1] * batch, [context] * batch, tables, rows)
-            if logits is None:
-                logits = e._eager_logits(ids, [1] * batch, [context] * batch, tables, rows)
-            return logits.argmax(-1).tolist()
+            planned = e.launcher.plan(following, tables)
+            self.replayed = planned.bucket is not None
+            return e.launcher.launch(planned, ids, rows).argmax(-1).tolist()
 
         def release():
             for row in range(batch):
@@ -155,9 +155,7 @@ def run_p(name: str, p: int, mesh, args, device, results: Results, rank: int) ->
         else:
             step, release = decoder.step_fn(batch, context)
             record["step_ms"] = time_steps(step, device, args.iters)
-            record["replayed"] = decoder.engine.runner is not None and \
-                decoder.engine.runner.bucket_for([1] * batch, len(
-                    decoder.engine.allocator.table_tensor(0))) is not None
+            record["replayed"] = decoder.replayed
             if p > 1:
                 nccl = nccl_ms_per_step(step, device)
                 record["exchange_ms"] = nccl

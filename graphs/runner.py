@@ -17,7 +17,7 @@ from torch_cp.attention.flashinfer_gqa import GraphBucket
 from torch_cp.cache import cache_kwarg
 from torch_cp.graphs.buckets import Bucket, pick_bucket
 from torch_cp.graphs.static_plan import StaticPlan
-from torch_cp.plan import build_step_plan
+from torch_cp.plan import StepPlan, build_step_plan
 
 log = logging.getLogger("torch_cp")
 
@@ -124,7 +124,7 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def step(self, token_ids: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
              tables: Sequence[Sequence[int]], logit_rows: Sequence[int]) -> torch.Tensor | None:
-        """Run one step from its bucket's graph.
+        """Run one step from its bucket's graph (``prepare``, then ``launch``).
 
         Args:
             token_ids: the step's new tokens, row after row.
@@ -133,12 +133,30 @@ class CUDAGraphRunner:
         Returns:
             [len(logit_rows), vocab] logits, or None when no captured bucket fits (run eagerly).
         """
+        prepared = self.prepare(q_lens, ctx_lens, tables)
+        if prepared is None:
+            return None
+        return self.launch(prepared, token_ids, logit_rows)
+
+    @torch.inference_mode()
+    def prepare(self, q_lens: Sequence[int], ctx_lens: Sequence[int],
+                tables: Sequence[Sequence[int]]) -> tuple[Bucket, StepPlan] | None:
+        """Plan a step into its bucket's static buffers and plan the backend; None when no
+        captured bucket fits. Host work plus stream-ordered copies: it may run while an earlier
+        replay still executes (the copies land after it)."""
         bucket = self.bucket_for(q_lens, max((len(t) for t in tables), default=0))
         if bucket is None:
             return None
-        c = self.captured[bucket]
-        plan = c.static.load(self._plan(bucket, q_lens, ctx_lens, tables))
+        plan = self.captured[bucket].static.load(self._plan(bucket, q_lens, ctx_lens, tables))
         self.cache.begin_step(plan)
+        return bucket, plan
+
+    @torch.inference_mode()
+    def launch(self, prepared: tuple[Bucket, StepPlan], token_ids: Sequence[int],
+               logit_rows: Sequence[int]) -> torch.Tensor:
+        """Replay a prepared step: [len(logit_rows), vocab] logits (computed asynchronously)."""
+        bucket, plan = prepared
+        c = self.captured[bucket]
         ends = plan.qo_indptr_host[1:].long() - 1
         c.input_ids.fill_(self.pad_token_id)
         c.input_ids[0, : len(token_ids)].copy_(torch.tensor(token_ids, dtype=torch.long))

@@ -1,8 +1,9 @@
 """torch_cp.generate at P = 2 (TP mode over tp = 2, SP mode over sp = 2; gloo ranks) gives the
-tokens of P = 1 and of the unpatched model, sampling agrees on every rank, and each rank holds
-half the KV bytes; TP over 2 ranks without context parallelism (P = 1) gives the same tokens with
-the KV head copied; model.generate of a left-padded batch at P = 2 gives the unpatched
-model's tokens. The ranks are spawned once for the module; every case runs inside them."""
+tokens of P = 1 and of the unpatched model, sampling agrees on every rank, each rank holds half
+the KV bytes, and planning each step ahead changes nothing; TP over 2 ranks without context
+parallelism (P = 1) gives the same tokens with the KV head copied; model.generate of a
+left-padded batch at P = 2 gives the unpatched model's tokens. The ranks are spawned once for
+the module; every case runs inside them."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def _ranks(rank: int, world_size: int):
         assert model.torch_cp.placement.size == 2
         out[mode] = _generate(model)
         out[f"{mode} model.generate"] = _hf_generate(model)
+        records = []
+        model.torch_cp.exchange.records = records
+        engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True)
+        tokens = [r.token_ids for r in engine.run(PROMPTS, NEW)]
+        model.torch_cp.exchange.records = None
+        out[f"{mode} overlap"] = (tokens, engine.planned_ahead_steps,
+                                  [(r.op, r.shape) for r in records])
     mesh = init_mesh(tp=2, sp=1, device_type="cpu")
     model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
     assert model.torch_cp.placement.size == 1 and model.torch_cp.tp == 2
@@ -111,6 +119,16 @@ def test_each_rank_holds_half_the_kv_and_every_page_returns(ranks, single, mode)
         assert free == PAGES
         assert per_mode["tp, no cp"][4] == single[4], "without CP each TP rank copies the head"
     assert single[5] == PAGES
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_planning_ahead_keeps_tokens_and_lockstep(ranks, hf, mode):
+    """Engine(overlap_planning=True) over two partners: the unpatched model's tokens, some steps
+    launched from plans made ahead, and the same collectives on both ranks."""
+    runs = [per_mode[f"{mode} overlap"] for per_mode in ranks]
+    for tokens, ahead, _ in runs:
+        assert tokens == hf and ahead > 0
+    assert runs[0][2] and runs[0][2] == runs[1][2]
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torch_cp.cache import PagedKVCache, cache_kwarg
+from torch_cp.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.memory import default_num_pages, lifetime_pages
-from torch_cp.plan import build_step_plan
 from torch_cp.requests import (
     Prompt,
     Result,
@@ -31,6 +30,7 @@ from torch_cp.requests import (
 )
 from torch_cp.sampling import SamplingParams, sample
 from torch_cp.scheduler import Request, Row, Scheduler, StepRefused
+from torch_cp.steps import PlannedStep, StepLauncher, row_key
 
 DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_PAGE_SIZE = 16
@@ -68,12 +68,16 @@ class Engine:
         mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
         compile: capture ``torch.compile(model.forward, fullgraph=True)`` instead of the eager
             forward (fuses the model's small kernels; needs ``cuda_graphs``).
+        overlap_planning: while a decode step runs on the device, plan the next one on the host
+            for the rows it will have unless a request stops at EOS (re-planned if one does).
+            Tokens are the same either way.
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
                  max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, max_rows: int | None = None,
                  cuda_graphs: bool = False, max_pages_per_row: int | None = None,
-                 mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False):
+                 mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False,
+                 overlap_planning: bool = False):
         self.model = model
         self.runtime = runtime_of(model)
         page_size = page_size or getattr(self.runtime, "page_size", None) or DEFAULT_PAGE_SIZE
@@ -98,9 +102,11 @@ class Engine:
         self.pool = self.runtime.new_pool(num_pages, page_size)
         self.cache = PagedKVCache(self.runtime, self.pool)
         self.broadcast = _sync_group(self.runtime)
-        self._cache_kwarg = cache_kwarg(model)
+        self.overlap_planning = overlap_planning
         self.steps = 0
         self.replayed_steps = 0
+        self.planned_ahead_steps = 0  # steps launched from a plan made during the previous one
+        self._ahead: PlannedStep | None = None
         self.runner = None
         if cuda_graphs:
             from torch_cp.graphs import CUDAGraphRunner, default_buckets
@@ -111,6 +117,7 @@ class Engine:
                                           default_buckets(rows, mixed_buckets),
                                           max_pages_per_row or num_pages, forward=forward)
             self.runner.capture()
+        self.launcher = StepLauncher(model, self.cache, self.runner)
 
     @property
     def kv_bytes(self) -> int:
@@ -126,6 +133,7 @@ class Engine:
         if len(news) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(news)} entries for {len(prompts)} prompts")
         vocab = vocab_size(self.model)
+        self._ahead = None  # request indices restart with every run
         results: dict[int, Result] = {}
         scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
         capacity = self.allocator.num_pages * self.page_size
@@ -184,14 +192,17 @@ class Engine:
         requests = [scheduler.running[r.request] for r in rows]
         ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
         sampled = [b for b, r in enumerate(rows) if r.samples]
-        q_lens, ctx_lens = [r.length for r in rows], [r.start for r in rows]
-        tables = [self.allocator.table_tensor(r.request) for r in rows]
-        logits = None
-        if self.runner is not None:
-            logits = self.runner.step(ids, q_lens, ctx_lens, tables, sampled)
-            self.replayed_steps += logits is not None
-        if logits is None:
-            logits = self._eager_logits(ids, q_lens, ctx_lens, tables, sampled)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.key == row_key(rows):
+            step = ahead
+            self.planned_ahead_steps += 1
+        else:
+            step = self.launcher.plan(rows, [self.allocator.table_tensor(r.request)
+                                             for r in rows])
+        logits = self.launcher.launch(step, ids, sampled)
+        self.replayed_steps += step.bucket is not None
+        if self.overlap_planning:
+            self._ahead = self._plan_ahead(rows, scheduler)
         if not sampled:
             return {}
         device = self.runtime.device
@@ -201,21 +212,16 @@ class Engine:
             tokens = _broadcast_from_rank0(tokens, device)
         return {rows[b].request: int(t) for b, t in zip(sampled, tokens.tolist())}
 
-    def _eager_logits(self, ids, q_lens, ctx_lens, tables, sampled) -> torch.Tensor:
-        """[len(sampled), V] logits of the sampling rows' last tokens from an eager forward."""
-        plan = build_step_plan(q_lens, ctx_lens, tables, page_size=self.page_size,
-                               sink_page=self.pool.sink_page, placement=self.runtime.placement,
-                               device=self.runtime.device)
-        self.cache.begin_step(plan)
-        device = self.runtime.device
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        ends = plan.qo_indptr_host[1:].to(torch.long) - 1
-        keep = ends[sampled] if sampled else ends[:1]
-        with torch.inference_mode():
-            out = self.model(input_ids=input_ids, position_ids=plan.positions[None, :len(ids)],
-                             use_cache=True, logits_to_keep=keep.to(device),
-                             **{self._cache_kwarg: self.cache})
-        return out.logits[0]
+    def _plan_ahead(self, rows: list[Row], scheduler: Scheduler) -> PlannedStep | None:
+        """Plan the step after ``rows`` while they run, if the scheduler can foresee it."""
+        following = scheduler.next_decode_rows(rows)
+        if following is None:
+            return None
+        try:
+            return self.launcher.plan(following, [self.allocator.table_tensor(r.request)
+                                                  for r in following])
+        except StepRefused:
+            return None  # planned again (and refused again, then retried smaller) next step
 
 
 def _broadcast_from_rank0(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -147,6 +147,28 @@ class Scheduler:
             budget -= n
         return rows
 
+    def next_decode_rows(self, rows: list[Row]) -> list[Row] | None:
+        """What ``schedule`` will return after ``rows`` commit, if no request stops at an EOS
+        token: every row decodes one more token, less the requests that reach max_new_tokens.
+        ``None`` where that is not certain enough to plan ahead for: requests waiting (admission
+        may add rows), rows that are not decode rows or leave a running request out, or a row
+        that needs a new page (``schedule`` would change its page table)."""
+        if self.waiting or len(rows) != len(self.running):
+            return None
+        page_size = self.allocator.page_size
+        following = []
+        for row in rows:
+            request = self.running[row.request]
+            if row.length != 1 or not row.samples or not request.decoding:
+                return None
+            if len(request.generated) + 1 >= request.max_new_tokens:
+                continue  # this step's token is its last
+            start = row.start + 1
+            if len(self.allocator.table(row.request)) * page_size < start + 1:
+                return None
+            following.append(Row(row.request, start, 1, samples=True))
+        return following or None
+
     def commit(self, rows: list[Row], new_tokens: dict[int, int],
                eos_token_ids: frozenset[int]) -> list[tuple[Request, str]]:
         """Record a step: rows' tokens are cached, sampled tokens appended.

@@ -1,0 +1,88 @@
+"""Planning and launching one engine step, eagerly or from a CUDA-graph bucket.
+
+Planning is host work (``build_step_plan``, ``backend.plan``, copies into the bucket's static
+buffers) and a launch only enqueues device work, so the engine can plan step n + 1 while step n
+runs on the device (``Engine(overlap_planning=True)``): everything planning writes on the device
+is a stream-ordered copy that lands after step n's kernels, and FlashInfer's pinned host buffers
+are fenced (``flashinfer_gqa._PlanFence``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torch_cp.cache import PagedKVCache, cache_kwarg
+from torch_cp.plan import StepPlan, build_step_plan
+from torch_cp.scheduler import Row
+
+
+def row_key(rows: Sequence[Row]) -> tuple[tuple[int, int, int], ...]:
+    """What a step's plan depends on besides the page tables: (request, start, length) per row."""
+    return tuple((r.request, r.start, r.length) for r in rows)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A step whose plan is loaded (``cache.begin_step`` ran): ready to launch.
+
+    Attributes:
+        key: ``row_key`` of the rows it was planned for.
+        plan: its step plan (the bucket's static plan when it replays a graph).
+        bucket: the CUDA-graph bucket it replays, or None for an eager forward.
+    """
+
+    key: tuple[tuple[int, int, int], ...]
+    plan: StepPlan
+    bucket: object | None
+
+
+class StepLauncher:
+    """Plans and launches a patched model's steps over one pool.
+
+    Args:
+        model: the patched model; cache: its ``PagedKVCache``.
+        runner: a ``CUDAGraphRunner`` over the same cache, or None (every step eager).
+    """
+
+    def __init__(self, model, cache: PagedKVCache, runner=None):
+        self.model = model
+        self.cache = cache
+        self.runner = runner
+        self.runtime = cache.runtime
+        self._cache_kwarg = cache_kwarg(model)
+
+    def plan(self, rows: Sequence[Row], tables: Sequence[Sequence[int]]) -> PlannedStep:
+        """Plan ``rows`` (page tables ``tables``): into a captured bucket when one fits."""
+        q_lens, ctx_lens = [r.length for r in rows], [r.start for r in rows]
+        if self.runner is not None:
+            prepared = self.runner.prepare(q_lens, ctx_lens, tables)
+            if prepared is not None:
+                bucket, plan = prepared
+                return PlannedStep(row_key(rows), plan, bucket)
+        pool = self.cache.pool
+        plan = build_step_plan(q_lens, ctx_lens, tables, page_size=pool.page_size,
+                               sink_page=pool.sink_page, placement=self.runtime.placement,
+                               device=self.runtime.device)
+        self.cache.begin_step(plan)
+        return PlannedStep(row_key(rows), plan, None)
+
+    def launch(self, step: PlannedStep, token_ids: Sequence[int],
+               logit_rows: Sequence[int]) -> torch.Tensor:
+        """Run a planned step: [len(logit_rows), V] logits of those rows' last tokens ([1, V]
+        of row 0 when ``logit_rows`` is empty), computed asynchronously on a GPU."""
+        assert self.cache.plan is step.plan, "a launch runs the step planned last"
+        if step.bucket is not None:
+            return self.runner.launch((step.bucket, step.plan), token_ids, logit_rows)
+        device = self.runtime.device
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        ends = step.plan.qo_indptr_host[1:].to(torch.long) - 1
+        keep = ends[list(logit_rows)] if logit_rows else ends[:1]
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids,
+                             position_ids=step.plan.positions[None, :len(token_ids)],
+                             use_cache=True, logits_to_keep=keep.to(device),
+                             **{self._cache_kwarg: self.cache})
+        return out.logits[0]
