@@ -51,7 +51,7 @@ def test_default_tiny_model(single_process, expected):
 
 def test_torchrun_two_ranks_context_parallel(single_process, expected):
     out = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "torch_cp.generate",
-               "--context-parallel", "--tp", "2", "--no-progress"])
+               "--context-parallel", "--tp", "2", "--overlap-planning", "--no-progress"])
     tokens, kv = parse(out)
     assert "P = 2 (tp mode)" in out
     assert tokens == expected
@@ -79,3 +79,13 @@ def test_the_module_stays_callable_as_torch_cp_generate():
     model = torch_cp.patch_model(tiny_qwen3())
     result = torch_cp.generate(model, [[1, 2, 3]], 2, progress=False)
     assert len(result) == 1 and len(result[0].token_ids) == 2
+
+
+def test_a_bad_configuration_is_one_clear_line():
+    done = subprocess.run([sys.executable, "-m", "torch_cp.generate", "--compile", "--page-size",
+                           "0", "--no-progress"], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "--page-size must be >= 1, got 0" in done.stderr
+    assert "--compile compiles the captured step: it needs --cuda-graphs" in done.stderr

@@ -236,7 +236,8 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
              seed: int = 0, eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
              num_pages: int | None = None, page_size: int | None = None,
              max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, progress: bool = True,
-             cuda_graphs: bool = False) -> list[Result]:
+             cuda_graphs: bool = False, compile: bool = False,
+             overlap_planning: bool = False) -> list[Result]:
     """Generate continuations of ``prompts`` with a patched model.
 
     Call it on every rank of the model's mesh with the same arguments (lockstep).
@@ -257,6 +258,7 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
         progress: a tqdm bar of generated tokens on rank 0.
         cuda_graphs: replay decode steps from CUDA graphs captured per batch-size bucket (CUDA;
             captured before the first step, with page tables as wide as the longest request).
+        compile, overlap_planning: see ``Engine``.
     Returns:
         One ``Result`` per prompt, in order. A bad request (empty prompt, ids outside the
         vocabulary, more tokens than the pool can ever hold, max_new_tokens <= 0) gets
@@ -275,7 +277,8 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
     widest = max((lifetime_pages(p, max(n, 1), page_size) for p, n in zip(token_prompts, news)),
                  default=1)
     engine = Engine(model, num_pages, page_size, max_tokens_per_step, cuda_graphs=cuda_graphs,
-                    max_pages_per_row=min(widest, num_pages))
+                    max_pages_per_row=min(widest, num_pages), compile=compile,
+                    overlap_planning=overlap_planning)
     eos = eos_ids(model, eos_token_id, tokenizer)
     results = engine.run(token_prompts, news, sampling, eos, progress)
     if tokenizer is None:

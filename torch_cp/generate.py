@@ -47,6 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-step", type=int, default=engine.DEFAULT_TOKENS_PER_STEP)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model dtype (default: float32 for the tiny model, bfloat16 on CUDA)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from captured CUDA graphs (CUDA)")
+    p.add_argument("--compile", action="store_true",
+                   help="capture torch.compile(model.forward) (with --cuda-graphs)")
+    p.add_argument("--overlap-planning", action="store_true",
+                   help="plan each decode step while the previous one runs")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -82,11 +88,30 @@ def prompts_of(args, tokenizer) -> list[list[int]]:
         raise SystemExit(f"--prompt must be token ids without a tokenizer: {e}") from None
 
 
+def argument_problems(args, cuda: bool) -> list[str]:
+    """What is wrong with the command line, found before anything is loaded."""
+    problems = []
+    if args.page_size < 1:
+        problems.append(f"--page-size must be >= 1, got {args.page_size}")
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.cuda_graphs and not cuda:
+        problems.append("--cuda-graphs needs CUDA")
+    if args.compile and not args.cuda_graphs:
+        problems.append("--compile compiles the captured step: it needs --cuda-graphs")
+    if args.tp < 1 or args.sp < 1:
+        problems.append(f"--tp and --sp must be >= 1, got {args.tp} and {args.sp}")
+    return problems
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problems = argument_problems(args, torch.cuda.is_available())
+    if problems:
+        raise ValueError("; ".join(problems))
     import torch.distributed as dist
 
-    from torch_cp.memory import default_num_pages
+    from torch_cp.memory import default_num_pages, lifetime_pages
     from torch_cp.mesh import init_mesh
     from torch_cp.patch import patch_model
     from torch_cp.requests import eos_ids
@@ -107,7 +132,11 @@ def main(argv=None) -> int:
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
     num_pages = default_num_pages(runtime, prompts, news, args.page_size)
-    eng = engine.Engine(model, num_pages, args.page_size, args.max_tokens_per_step)
+    widest = max(lifetime_pages(p, n, args.page_size) for p, n in zip(prompts, news))
+    eng = engine.Engine(model, num_pages, args.page_size, args.max_tokens_per_step,
+                        cuda_graphs=args.cuda_graphs, compile=args.compile,
+                        max_pages_per_row=min(widest, num_pages),
+                        overlap_planning=args.overlap_planning)
     sampling = engine.SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = eng.run(prompts, news, sampling, eos_ids(model, None, tokenizer),
                       progress=not args.no_progress)
@@ -140,6 +169,9 @@ class _CallableModule(types.ModuleType):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as error:  # a configuration problem: say what, without a traceback
+        sys.exit(f"python -m torch_cp.generate: {error}")
 else:
     sys.modules[__name__].__class__ = _CallableModule
