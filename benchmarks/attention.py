@@ -32,10 +32,10 @@ from benchmarks.common import (
 )
 from torch_cp.attention.backend import AttentionGeometry
 from torch_cp.attention.exchange import Exchange
-from torch_cp.attention.flashinfer_gqa import GraphBucket
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.partial import merge_partials
 from torch_cp.attention.select import make_backend
+from torch_cp.graphs import Bucket
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.placement import ContextParallel
 from torch_cp.plan import build_step_plan
@@ -161,7 +161,7 @@ def placed(shape: dict, batch: int, ctx: int, tables, num_pages: int, size: int,
         k_new, v_new = new_tokens(shape, batch, device)
         out["whole_eager_ms"] = time_ms(lambda: module(q, k_new, v_new, pool, plan), device)
         if device.type == "cuda" and hasattr(backend, "add_bucket"):
-            backend.add_bucket(GraphBucket(batch, batch, max_pages=batch * len(tables[0])))
+            backend.add_bucket(Bucket(batch, batch), max_pages=batch * len(tables[0]))
             graph_plan = replace(
                 build_step_plan([1] * batch, [ctx - 1] * batch, tables, page_size=PAGE,
                                 sink_page=num_pages, placement=cp, device=device,

@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import torch
 
-from torch_cp.attention.flashinfer_gqa import GraphBucket
 from torch_cp.cache import cache_kwarg
 from torch_cp.graphs.buckets import Bucket, pick_bucket
 from torch_cp.graphs.static_plan import StaticPlan
@@ -99,8 +98,7 @@ class CUDAGraphRunner:
         backend = self.cache.runtime.backend
         for bucket in sorted(self.buckets, reverse=True):
             if hasattr(backend, "add_bucket"):
-                backend.add_bucket(GraphBucket(bucket.rows, bucket.tokens,
-                                               max_pages=bucket.rows * self.width))
+                backend.add_bucket(bucket, max_pages=bucket.rows * self.width)
             static = StaticPlan(self._plan(bucket, [], [], []))
             c = _Captured(bucket, static, self.device)
             self.cache.begin_step(static.plan)

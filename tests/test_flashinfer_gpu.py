@@ -240,7 +240,7 @@ def test_graph_bucket_wrappers_replay_like_eager(kind, step):
     within bf16 tolerance (the graph plans split KV differently)."""
     from gpu_harness import GROUP, geometry_for
 
-    from torch_cp.attention.flashinfer_gqa import GraphBucket
+    from torch_cp.graphs import Bucket
     from torch_cp.kv.pool import GQAPool, MLAPool
     from torch_cp.placement import ContextParallel
     from torch_cp.plan import build_step_plan
@@ -249,10 +249,10 @@ def test_graph_bucket_wrappers_replay_like_eager(kind, step):
     cp = ContextParallel(2, 1, "sp", GROUP)  # partner 1 of 2: some stripes are empty
     if step == "decode":
         steps = [((1,) * 5, (3, 40, 100, 0, 17)), ((1,) * 7, (200, 1, 2, 50, 9, 0, 31))]
-        bucket, pad_tokens = GraphBucket(rows=8, tokens=8, max_pages=128), None
+        bucket, pad_tokens = Bucket(rows=8, tokens=8), None
     else:
         steps = [((5, 20, 1), (0, 33, 70)), ((30, 1, 9, 2), (12, 0, 150, 1))]
-        bucket, pad_tokens = GraphBucket(rows=8, tokens=64, max_pages=128), 64
+        bucket, pad_tokens = Bucket(rows=8, tokens=64), 64
     gen = torch.Generator().manual_seed(0)
     if kind == "gqa":
         pool = GQAPool(1, 128, 16, shape.kv_heads, shape.head_dim, cp, torch.bfloat16, "cuda")
@@ -284,7 +284,7 @@ def test_graph_bucket_wrappers_replay_like_eager(kind, step):
             t.copy_(torch.randn(t.shape, generator=gen))
 
     geometry = geometry_for(shape, 1, "sp")
-    graphed = flashinfer_backend(graph_bucket=bucket)(geometry)
+    graphed = flashinfer_backend(graph_bucket=bucket, graph_max_pages=128)(geometry)
     eager = flashinfer_backend()(geometry)
 
     def run(backend):

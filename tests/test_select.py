@@ -108,3 +108,49 @@ def test_unknown_name_is_a_value_error():
 def test_import_error_is_reported_not_raised():
     error = select.flashinfer_import_error()
     assert error is None or "Error" in error
+
+
+class Recording:
+    """A backend that records what it was planned with and answers run_* with its tag."""
+
+    name = "flashinfer"
+    geometry = GQA
+
+    def __init__(self, tag):
+        self.tag, self.planned = tag, []
+
+    def plan(self, plan):
+        self.planned.append(plan)
+
+    def run_context(self, q, pool, layer_idx):
+        return self.tag
+
+    def run_own(self, q, k, v):
+        return self.tag
+
+
+def test_bucketed_backend_routes_each_step_to_its_bucket():
+    from types import SimpleNamespace
+
+    from torch_cp.attention.bucketed import BucketedBackend
+    from torch_cp.graphs import Bucket
+
+    made = []
+
+    def for_bucket(bucket, max_pages):
+        made.append((bucket, max_pages))
+        return Recording(f"graph {bucket.rows}x{bucket.tokens}")
+
+    backend = BucketedBackend(Recording("eager"), for_bucket)
+    backend.add_bucket(Bucket(4, 4), max_pages=32)
+    backend.add_bucket(Bucket(4, 4), max_pages=32)  # the same shape: one backend
+    backend.add_bucket(Bucket(4, 64), max_pages=32)
+    assert made == [(Bucket(4, 4), 32), (Bucket(4, 64), 32)]
+    for graph_bucket, tag in [((4, 4), "graph 4x4"), (None, "eager"), ((4, 64), "graph 4x64"),
+                              ((8, 8), "eager")]:
+        plan = SimpleNamespace(graph_bucket=graph_bucket)
+        backend.plan(plan)
+        assert backend.run_context(None, None, 0) == tag and backend.run_own(None, None, None) \
+            == tag
+        assert backend.active.planned[-1] is plan
+    assert backend.name == "flashinfer" and backend.geometry is GQA

@@ -8,13 +8,16 @@ and planning a step must reach the backend its bucket's graph reads.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from torch_cp.attention.backend import AttentionBackend
-from torch_cp.attention.flashinfer_gqa import GraphBucket
 from torch_cp.attention.partial import Partial
 from torch_cp.plan import StepPlan
+
+if TYPE_CHECKING:
+    from torch_cp.graphs.buckets import Bucket
 
 
 class BucketedBackend:
@@ -22,12 +25,13 @@ class BucketedBackend:
 
     Args:
         eager: the backend of steps that run eagerly.
-        for_bucket: builds a graph-ready backend for a bucket; ``None`` when the eager backend
-            can be captured as it is (the torch reference reads only the plan's tensors).
+        for_bucket: builds a graph-ready backend for a bucket and its page capacity; ``None``
+            when the eager backend can be captured as it is (the torch reference reads only the
+            plan's tensors).
     """
 
     def __init__(self, eager: AttentionBackend,
-                 for_bucket: Callable[[GraphBucket], AttentionBackend] | None = None):
+                 for_bucket: Callable[[Bucket, int], AttentionBackend] | None = None):
         self.eager = eager
         self.for_bucket = for_bucket
         self.buckets: dict[tuple[int, int], AttentionBackend] = {}
@@ -45,10 +49,11 @@ class BucketedBackend:
     def dtype(self):
         return getattr(self.eager, "dtype", None)
 
-    def add_bucket(self, bucket: GraphBucket) -> None:
-        """Make a backend for ``bucket`` (a no-op when the eager backend serves every shape)."""
+    def add_bucket(self, bucket: Bucket, max_pages: int) -> None:
+        """Make a backend for ``bucket`` whose steps hold up to ``max_pages`` page ids (a no-op
+        when the eager backend serves every shape)."""
         if self.for_bucket is not None and (bucket.rows, bucket.tokens) not in self.buckets:
-            self.buckets[(bucket.rows, bucket.tokens)] = self.for_bucket(bucket)
+            self.buckets[(bucket.rows, bucket.tokens)] = self.for_bucket(bucket, max_pages)
 
     def plan(self, plan: StepPlan) -> None:
         self.active = self.buckets.get(plan.graph_bucket, self.eager)

@@ -17,13 +17,16 @@ Outputs of padding tokens are unspecified (NaN queries give NaN there) and reach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from torch_cp.attention.backend import AttentionGeometry
 from torch_cp.attention.partial import Partial
 from torch_cp.plan import PagedIndptrs, StepPlan
+
+if TYPE_CHECKING:
+    from torch_cp.graphs.buckets import Bucket
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 GQA_HEAD_DIMS = (64, 128, 256)  # FlashInfer kernels prebuilt in the device bundle
@@ -36,19 +39,6 @@ TENSOR_CORE_MIN_GROUP = 4
 def use_tensor_core_decode(group_size: int) -> bool:
     """Whether paged decode should run FlashInfer's tensor-core (prefill-kernel) path."""
     return group_size >= TENSOR_CORE_MIN_GROUP or group_size not in CUDA_CORE_DECODE_GROUPS
-
-
-@dataclass(frozen=True)
-class GraphBucket:
-    """Fixed sizes for wrappers made with ``use_cuda_graph=True`` (one wrapper set per bucket).
-
-    Attributes:
-        rows: padded rows of the bucket; tokens: padded tokens; max_pages: page-index capacity.
-    """
-
-    rows: int
-    tokens: int
-    max_pages: int
 
 
 def real_rows_view(ctx: PagedIndptrs, num_rows: int) -> PagedIndptrs:
@@ -77,16 +67,15 @@ def staged(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def check_bucket(plan: StepPlan, bucket: GraphBucket | None) -> None:
-    """A plan for graph-ready wrappers must fill their bucket exactly."""
+def check_bucket(plan: StepPlan, bucket: Bucket | None, max_pages: int) -> None:
+    """A plan for graph-ready wrappers must fill their bucket exactly, within ``max_pages``."""
     if bucket is None:
         return
     rows, tokens = plan.q_lens.shape[0], plan.positions.shape[0]
-    if (rows, tokens) != (bucket.rows, bucket.tokens) or plan.context_host.indices.numel() > \
-            bucket.max_pages:
-        raise ValueError(f"step of {rows} rows, {tokens} tokens, "
-                         f"{plan.context_host.indices.numel()} pages does not fill the bucket "
-                         f"{bucket}")
+    pages = plan.context_host.indices.numel()
+    if (rows, tokens) != (bucket.rows, bucket.tokens) or pages > max_pages:
+        raise ValueError(f"step of {rows} rows, {tokens} tokens, {pages} pages does not fill "
+                         f"the bucket {bucket} of {max_pages} pages")
 
 
 def real_token_mask(plan: StepPlan) -> torch.Tensor:
@@ -123,14 +112,15 @@ class FlashInferGQABackend:
         device: a CUDA device.
         dtype: query and pool dtype (bf16 or fp16; only bf16 kernels are prebuilt here).
         decode_tensor_cores: force the decode path; ``None`` decides from the context GQA group.
-        graph_bucket: make the wrappers CUDA-graph ready with fixed buffers for this bucket.
+        graph_bucket: make the wrappers CUDA-graph ready with fixed buffers for this bucket
+            (``torch_cp.graphs.Bucket``), holding up to ``graph_max_pages`` page ids.
     """
 
     name = "flashinfer"
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
                  dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool | None = None,
-                 graph_bucket: GraphBucket | None = None):
+                 graph_bucket: Bucket | None = None, graph_max_pages: int = 0):
         import flashinfer
 
         problems = []
@@ -149,6 +139,7 @@ class FlashInferGQABackend:
         self.decode_tensor_cores = (use_tensor_core_decode(group) if decode_tensor_cores is None
                                     else decode_tensor_cores)
         self.graph_bucket = graph_bucket
+        self.graph_max_pages = graph_max_pages
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         graph = self._graph_buffers(graph_bucket)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -164,18 +155,19 @@ class FlashInferGQABackend:
         self._plan: StepPlan | None = None
         self._padding: torch.Tensor | None = None  # [N, 1, 1] tokens of no real row
 
-    def _graph_buffers(self, bucket: GraphBucket | None) -> dict | None:
+    def _graph_buffers(self, bucket: Bucket | None) -> dict | None:
         if bucket is None:
             return None
+        pages = self.graph_max_pages
         i32 = dict(dtype=torch.int32, device=self.device)
         rows = bucket.rows + 1  # the token-padding row of multi-token steps
         return {
             "decode": dict(paged_kv_indptr_buffer=torch.zeros(bucket.rows + 1, **i32),
-                           paged_kv_indices_buffer=torch.zeros(bucket.max_pages, **i32),
+                           paged_kv_indices_buffer=torch.zeros(pages, **i32),
                            paged_kv_last_page_len_buffer=torch.zeros(bucket.rows, **i32)),
             "context": dict(qo_indptr_buf=torch.zeros(rows + 1, **i32),
                             paged_kv_indptr_buf=torch.zeros(rows + 1, **i32),
-                            paged_kv_indices_buf=torch.zeros(bucket.max_pages, **i32),
+                            paged_kv_indices_buf=torch.zeros(pages, **i32),
                             paged_kv_last_page_len_buf=torch.zeros(rows, **i32)),
             "own": dict(qo_indptr_buf=torch.zeros(rows + 1, **i32),
                         kv_indptr_buf=torch.zeros(rows + 1, **i32)),
@@ -184,7 +176,7 @@ class FlashInferGQABackend:
     def plan(self, plan: StepPlan) -> None:
         """Plan the step's wrappers from host indptrs (no device sync)."""
         g = self.geometry
-        check_bucket(plan, self.graph_bucket)
+        check_bucket(plan, self.graph_bucket, self.graph_max_pages)
         ctx = real_rows_view(plan.context_host, plan.num_rows)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         if plan.is_decode:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from torch_cp.attention.backend import AttentionGeometry
 from torch_cp.attention.flashinfer_gqa import (
     WORKSPACE_BYTES,
-    GraphBucket,
     _PlanFence,
     check_bucket,
     real_rows_view,
@@ -36,6 +36,9 @@ from torch_cp.attention.flashinfer_gqa import (
 from torch_cp.attention.partial import Partial
 from torch_cp.plan import StepPlan
 from torch_cp.scheduler import StepRefused
+
+if TYPE_CHECKING:
+    from torch_cp.graphs.buckets import Bucket
 
 FA_MAX_WORK_ITEMS = 16384
 LN2 = math.log(2.0)
@@ -135,14 +138,16 @@ class FlashInferMLABackend:
         fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
         own_tokens: ``"auto"`` (FlashInfer where it plans causal MLA exactly, else torch),
             ``"flashinfer"`` or ``"torch"``.
-        graph_bucket: make the wrappers CUDA-graph ready with fixed buffers for this bucket.
+        graph_bucket: make the wrappers CUDA-graph ready with fixed buffers for this bucket
+            (``torch_cp.graphs.Bucket``), holding up to ``graph_max_pages`` page ids.
     """
 
     name = "flashinfer"
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
                  dtype: torch.dtype = torch.bfloat16, fa_backend: str | None = None,
-                 own_tokens: str = "auto", graph_bucket: GraphBucket | None = None):
+                 own_tokens: str = "auto", graph_bucket: Bucket | None = None,
+                 graph_max_pages: int = 0):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
         problems = []
@@ -166,6 +171,7 @@ class FlashInferMLABackend:
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # One context wrapper per step kind: their indptrs differ by the token-padding row.
         self.graph_bucket = graph_bucket
+        self.graph_max_pages = graph_max_pages
         buffers = self._graph_buffers(graph_bucket)
         self._wrappers = {
             name: BatchMLAPagedAttentionWrapper(
@@ -179,7 +185,7 @@ class FlashInferMLABackend:
         self._padding: torch.Tensor | None = None  # [N, 1] the others
         self._token_row: torch.Tensor | None = None  # [N] plan.token_row
 
-    def _graph_buffers(self, bucket: GraphBucket | None) -> dict:
+    def _graph_buffers(self, bucket: Bucket | None) -> dict:
         if bucket is None:
             return {}
 
@@ -191,8 +197,9 @@ class FlashInferMLABackend:
                         kv_len_arr=torch.zeros(rows, **i32))
 
         rows = bucket.rows + 1  # the token-padding row of multi-token steps
-        return {"decode": csr(bucket.rows, bucket.max_pages),
-                "context": csr(rows, bucket.max_pages), "own": csr(rows, bucket.tokens)}
+        pages = self.graph_max_pages
+        return {"decode": csr(bucket.rows, pages), "context": csr(rows, pages),
+                "own": csr(rows, bucket.tokens)}
 
     def _plan_wrapper(self, name: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int,
@@ -210,7 +217,7 @@ class FlashInferMLABackend:
     def plan(self, plan: StepPlan) -> None:
         """Plan the step from host indptrs; ``PlannerCapExceeded`` before planning anything."""
         g = self.geometry
-        check_bucket(plan, self.graph_bucket)
+        check_bucket(plan, self.graph_bucket, self.graph_max_pages)
         ctx = real_rows_view(plan.context_host, plan.num_rows)
         if plan.is_decode:
             qo, kv_indptr, kv_lens = plan.qo_indptr_host, ctx.indptr, ctx.lens

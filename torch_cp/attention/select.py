@@ -77,7 +77,9 @@ def _flashinfer_backend(geometry: AttentionGeometry, device: torch.device, dtype
     else:
         from torch_cp.attention.flashinfer_mla import FlashInferMLABackend as cls
     return BucketedBackend(cls(geometry, device, dtype=dtype),
-                           lambda bucket: cls(geometry, device, dtype=dtype, graph_bucket=bucket))
+                           lambda bucket, max_pages: cls(geometry, device, dtype=dtype,
+                                                         graph_bucket=bucket,
+                                                         graph_max_pages=max_pages))
 
 
 def make_backend(name: str, geometry: AttentionGeometry, device: torch.device | str,
