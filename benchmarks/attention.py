@@ -166,7 +166,7 @@ def placed(shape: dict, batch: int, ctx: int, tables, num_pages: int, size: int,
                 build_step_plan([1] * batch, [ctx - 1] * batch, tables, page_size=PAGE,
                                 sink_page=num_pages, placement=cp, device=device,
                                 pad_rows_to=batch, table_width=len(tables[0])),
-                graph_bucket=(batch, batch))
+                graph_bucket=(batch, batch, batch * len(tables[0])))
             backend.plan(graph_plan)
             out["whole_graph_ms"] = graph_time_ms(
                 lambda: module(q, k_new, v_new, pool, graph_plan), device)

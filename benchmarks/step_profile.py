@@ -4,9 +4,10 @@
 
 Builds the benchmarked model (``benchmarks.models``), an engine with CUDA graphs, one batch of
 rows at ``--context`` tokens (pool of zeros), and then times the phases of
-``CUDAGraphRunner.step`` one by one on the host (plan, load into the static plan, backend plan,
-inputs, replay launch, wait, token to the host); the replay alone back to back (GPU time of the
-graph); and lists the graph's kernels by CUDA time (torch.profiler).
+``CUDAGraphRunner.prepare`` + ``launch`` on the host (prepare, and inside it the plan, the load
+into the static plan and the backend plan; launch; the wait for the replay; the token to the
+host); the replay alone back to back (GPU time of the graph); and lists the graph's kernels by
+CUDA time (torch.profiler).
 """
 
 from __future__ import annotations
@@ -24,35 +25,48 @@ from benchmarks.common import run_header, time_ms
 PAGE = 16
 
 
+class _Timed:
+    """Accumulates the milliseconds spent in ``fn`` while installed on ``owner.name``."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name, self.fn, self.ms = owner, name, getattr(owner, name), 0.0
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                self.ms += (time.perf_counter() - start) * 1e3
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.fn)
+
+
 def phases(runner, ids, q_lens, ctx_lens, tables, rows, iters: int) -> dict[str, float]:
-    """Mean milliseconds of each host phase of one replayed step."""
-    names = ("plan", "static_load", "backend_plan", "inputs", "launch", "wait", "token")
-    total = dict.fromkeys(names, 0.0)
+    """Mean milliseconds of each host phase of ``runner.prepare`` + ``runner.launch``, the
+    wait for the replay and the token's trip to the host."""
     bucket = runner.bucket_for(q_lens, max(len(t) for t in tables))
-    c = runner.captured[bucket]
-    for _ in range(iters):
-        t = [time.perf_counter()]
-        plan = runner._plan(bucket, q_lens, ctx_lens, tables)
-        t.append(time.perf_counter())
-        plan = c.static.load(plan)
-        t.append(time.perf_counter())
-        runner.cache.begin_step(plan)
-        t.append(time.perf_counter())
-        ends = plan.qo_indptr_host[1:].long() - 1
-        c.input_ids.fill_(0)
-        c.input_ids[0, :len(ids)].copy_(torch.tensor(ids))
-        c.logit_tokens.zero_()
-        c.logit_tokens[:len(rows)].copy_(ends[rows])
-        t.append(time.perf_counter())
-        c.graph.replay()
-        t.append(time.perf_counter())
-        torch.cuda.synchronize()
-        t.append(time.perf_counter())
-        c.logits[:len(rows)].argmax(-1).tolist()
-        t.append(time.perf_counter())
-        for name, a, b in zip(names, t, t[1:]):
-            total[name] += (b - a) * 1e3 / iters
-    return total
+    static = runner.captured[bucket].static
+    total = dict.fromkeys(("prepare", "launch", "wait", "token"), 0.0)
+    with _Timed(runner, "_plan") as plan, _Timed(static, "load") as load, \
+            _Timed(runner.cache, "begin_step") as backend_plan:
+        for _ in range(iters):
+            t = [time.perf_counter()]
+            prepared = runner.prepare(q_lens, ctx_lens, tables)
+            t.append(time.perf_counter())
+            logits = runner.launch(prepared, ids, rows)
+            t.append(time.perf_counter())
+            torch.cuda.synchronize()
+            t.append(time.perf_counter())
+            logits.argmax(-1).tolist()
+            t.append(time.perf_counter())
+            for name, a, b in zip(total, t, t[1:]):
+                total[name] += (b - a) * 1e3 / iters
+    return dict(plan=plan.ms / iters, static_load=load.ms / iters,
+                backend_plan=backend_plan.ms / iters, **total)
 
 
 def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], float, int]:
@@ -102,10 +116,11 @@ def main() -> None:
     graph = runner.captured[bucket].graph
     replay_ms = time_ms(graph.replay, device, iters=args.iters)
     top, kernel_ms, calls = kernels(graph, device)
+    step_ms = sum(host[k] for k in ("prepare", "launch", "wait", "token"))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
-               compiled=args.compile, setup_s=setup_s, host_phases_ms=host,
-               step_ms=sum(host.values()), replay_only_ms=replay_ms, kernel_ms=kernel_ms,
-               kernels_per_step=calls, top_kernels=top)
+               compiled=args.compile, setup_s=setup_s, host_phases_ms=host, step_ms=step_ms,
+               replay_only_ms=replay_ms, kernel_ms=kernel_ms, kernels_per_step=calls,
+               top_kernels=top)
     print(json.dumps({k: v for k, v in out.items() if k != "top_kernels"}, indent=1))
     for r in top:
         print(f"{r['ms_per_step']:8.3f} ms {r['calls_per_step']:6.0f}x  {r['kernel']}")

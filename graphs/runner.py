@@ -81,7 +81,11 @@ class CUDAGraphRunner:
             sink_page=self.cache.pool.sink_page, placement=self.cache.runtime.placement,
             device=self.device, pad_rows_to=bucket.rows,
             pad_tokens_to=None if bucket.decode else bucket.tokens, table_width=self.width)
-        return replace(plan, graph_bucket=(bucket.rows, bucket.tokens))
+        return replace(plan, graph_bucket=(bucket.rows, bucket.tokens, self._max_pages(bucket)))
+
+    def _max_pages(self, bucket: Bucket) -> int:
+        """Page ids a step of ``bucket`` may hold: every row at the full table width."""
+        return bucket.rows * self.width
 
     def _forward(self, c: _Captured) -> torch.Tensor:
         out = self.forward(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
@@ -98,7 +102,7 @@ class CUDAGraphRunner:
         backend = self.cache.runtime.backend
         for bucket in sorted(self.buckets, reverse=True):
             if hasattr(backend, "add_bucket"):
-                backend.add_bucket(bucket, max_pages=bucket.rows * self.width)
+                backend.add_bucket(bucket, max_pages=self._max_pages(bucket))
             static = StaticPlan(self._plan(bucket, [], [], []))
             c = _Captured(bucket, static, self.device)
             self.cache.begin_step(static.plan)
@@ -141,7 +145,8 @@ class CUDAGraphRunner:
                 tables: Sequence[Sequence[int]]) -> tuple[Bucket, StepPlan] | None:
         """Plan a step into its bucket's static buffers and plan the backend; None when no
         captured bucket fits. Host work plus stream-ordered copies: it may run while an earlier
-        replay still executes (the copies land after it)."""
+        replay still executes (the copies land after it; a copy from pageable host memory waits
+        for that replay first)."""
         bucket = self.bucket_for(q_lens, max((len(t) for t in tables), default=0))
         if bucket is None:
             return None

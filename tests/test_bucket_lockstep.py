@@ -30,7 +30,7 @@ def _logits(model, cache, token_ids, q_lens, ctx_lens, tables, bucket=None):
                            sink_page=cache.pool.sink_page, placement=model.torch_cp.placement,
                            **pad)
     if bucket is not None:
-        plan = replace(plan, graph_bucket=(bucket.rows, bucket.tokens))
+        plan = replace(plan, graph_bucket=(bucket.rows, bucket.tokens, 64))
     cache.begin_step(plan)
     ids = torch.zeros(1, plan.positions.shape[0], dtype=torch.long)
     ids[0, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.long)

@@ -19,20 +19,21 @@ pytestmark = [
 
 @pytest.mark.parametrize("partners,heads,dim", [(2, 32, 128), (4, 64, 128), (2, 32, 512),
                                                 (4, 16, 512)])
-def test_merge_states_equals_the_torch_merge(partners, heads, dim):
+@pytest.mark.parametrize("n", [1, 2, 37])  # FlashInfer picks another kernel when n <= partners
+def test_merge_states_equals_the_torch_merge(partners, heads, dim, n):
     g = torch.Generator(device="cuda").manual_seed(0)
-    n = 37
+    keyless = min(3, n - 1)  # rows with no keys on any partner
     out = torch.randn(partners, n, heads, dim, device="cuda", generator=g).bfloat16()
     lse = torch.randn(partners, n, heads, device="cuda", generator=g) * 8
     empty = torch.rand(partners, n, heads, device="cuda", generator=g) < 0.3
-    empty[:, :3] = True  # rows with no keys on any partner (e.g. padding rows)
+    empty[:, :keyless] = True  # e.g. padding rows
     lse = lse.masked_fill(empty, float("-inf"))
     out = out.masked_fill(empty[..., None], 0)
     want = merge_partials(out, lse)
     got = flashinfer_merge(out, lse)
     assert torch.isfinite(got.out).all()
-    assert torch.equal(got.out[:3], torch.zeros_like(got.out[:3]))
-    assert torch.isneginf(got.lse[:3]).all() and torch.isneginf(want.lse[:3]).all()
+    assert torch.equal(got.out[:keyless], torch.zeros_like(got.out[:keyless]))
+    assert torch.isneginf(got.lse[:keyless]).all() and torch.isneginf(want.lse[:keyless]).all()
     # Both merge in float32 and round the output to bf16 once: at most an ulp apart (2^-7
     # relative on outputs of O(1)); the float32 LSEs agree to float32 rounding of O(10) values.
     torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2 ** -7)

@@ -139,15 +139,18 @@ def test_bucketed_backend_routes_each_step_to_its_bucket():
 
     def for_bucket(bucket, max_pages):
         made.append((bucket, max_pages))
-        return Recording(f"graph {bucket.rows}x{bucket.tokens}")
+        wide = " wide" if max_pages > 32 else ""
+        return Recording(f"graph {bucket.rows}x{bucket.tokens}{wide}")
 
     backend = BucketedBackend(Recording("eager"), for_bucket)
     backend.add_bucket(Bucket(4, 4), max_pages=32)
-    backend.add_bucket(Bucket(4, 4), max_pages=32)  # the same shape: one backend
+    backend.add_bucket(Bucket(4, 4), max_pages=32)  # the same bucket: one backend
     backend.add_bucket(Bucket(4, 64), max_pages=32)
-    assert made == [(Bucket(4, 4), 32), (Bucket(4, 64), 32)]
-    for graph_bucket, tag in [((4, 4), "graph 4x4"), (None, "eager"), ((4, 64), "graph 4x64"),
-                              ((8, 8), "eager")]:
+    backend.add_bucket(Bucket(4, 4), max_pages=96)  # another engine's wider tables: its own
+    assert made == [(Bucket(4, 4), 32), (Bucket(4, 64), 32), (Bucket(4, 4), 96)]
+    for graph_bucket, tag in [((4, 4, 32), "graph 4x4"), (None, "eager"),
+                              ((4, 64, 32), "graph 4x64"), ((8, 8, 32), "eager"),
+                              ((4, 4, 96), "graph 4x4 wide")]:
         plan = SimpleNamespace(graph_bucket=graph_bucket)
         backend.plan(plan)
         assert backend.run_context(None, None, 0) == tag and backend.run_own(None, None, None) \

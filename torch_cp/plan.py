@@ -108,7 +108,8 @@ class StepPlan:
         token_index: [num_tokens] int64 index of each real token in the model's flattened
             ``[batch * seq]`` input when that input is not packed (``model.generate`` with padded
             rows); ``None`` when the input is the packed tokens themselves.
-        graph_bucket: (rows, tokens) of the captured CUDA-graph bucket this step replays, or
+        graph_bucket: (rows, tokens, max_pages) of the captured CUDA-graph bucket this step
+            replays (its shape and the page ids its kernels were sized for), or
             None for an eager step; backends keep graph-ready kernels per bucket.
     """
 
@@ -129,7 +130,7 @@ class StepPlan:
     sink_page: int
     placement: ContextParallel
     token_index: torch.Tensor | None = None
-    graph_bucket: tuple[int, int] | None = None
+    graph_bucket: tuple[int, int, int] | None = None
 
     @property
     def kv_lens(self) -> torch.Tensor:

@@ -34,7 +34,7 @@ class BucketedBackend:
                  for_bucket: Callable[[Bucket, int], AttentionBackend] | None = None):
         self.eager = eager
         self.for_bucket = for_bucket
-        self.buckets: dict[tuple[int, int], AttentionBackend] = {}
+        self.buckets: dict[tuple[int, int, int], AttentionBackend] = {}
         self.active: AttentionBackend = eager
 
     @property
@@ -51,9 +51,11 @@ class BucketedBackend:
 
     def add_bucket(self, bucket: Bucket, max_pages: int) -> None:
         """Make a backend for ``bucket`` whose steps hold up to ``max_pages`` page ids (a no-op
-        when the eager backend serves every shape)."""
-        if self.for_bucket is not None and (bucket.rows, bucket.tokens) not in self.buckets:
-            self.buckets[(bucket.rows, bucket.tokens)] = self.for_bucket(bucket, max_pages)
+        when the eager backend serves every shape). Keyed by all three: a later engine with
+        wider page tables gets its own, and an earlier engine's graphs keep theirs."""
+        key = (bucket.rows, bucket.tokens, max_pages)
+        if self.for_bucket is not None and key not in self.buckets:
+            self.buckets[key] = self.for_bucket(bucket, max_pages)
 
     def plan(self, plan: StepPlan) -> None:
         self.active = self.buckets.get(plan.graph_bucket, self.eager)

@@ -124,6 +124,8 @@ class FlashInferGQABackend:
         import flashinfer
 
         problems = []
+        if graph_bucket is not None and graph_max_pages < 1:
+            problems.append(f"a graph bucket needs graph_max_pages >= 1, got {graph_max_pages}")
         if geometry.kind != "gqa":
             problems.append(f"geometry kind is {geometry.kind!r}, not 'gqa'")
         if geometry.head_dim != geometry.head_dim_v:

@@ -151,6 +151,8 @@ class FlashInferMLABackend:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
         problems = []
+        if graph_bucket is not None and graph_max_pages < 1:
+            problems.append(f"a graph bucket needs graph_max_pages >= 1, got {graph_max_pages}")
         if geometry.kind != "mla":
             problems.append(f"geometry kind is {geometry.kind!r}, not 'mla'")
         if geometry.head_dim != geometry.kv_lora_rank + geometry.rope_dim:
