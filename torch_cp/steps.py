@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from torch_cp.cache import PagedKVCache, cache_kwarg
 from torch_cp.plan import StepPlan, build_step_plan
 from torch_cp.scheduler import Row
+
+if TYPE_CHECKING:
+    from torch_cp.graphs.buckets import Bucket
 
 
 def row_key(rows: Sequence[Row]) -> tuple[tuple[int, int, int], ...]:
@@ -37,7 +41,7 @@ class PlannedStep:
 
     key: tuple[tuple[int, int, int], ...]
     plan: StepPlan
-    bucket: object | None
+    bucket: Bucket | None
 
 
 class StepLauncher:
