@@ -168,10 +168,12 @@ def run_system(name: str, state: dict, model, prompts, new_tokens: int, device,
     raise ValueError(f"unknown system {name!r}")
 
 
-DEFAULT_PLAN = ("qwen3:512:torch_cp,hf_static,compiled_loop,hf_dynamic,generate_batch;"
-                "qwen3:4096:torch_cp,hf_dynamic,generate_batch;"
-                "mla:512:torch_cp,hf_dynamic,hf_static,compiled_loop,generate_batch;"
-                "mla:4096:torch_cp,hf_dynamic")
+DEFAULT_PLAN = ("qwen3:512:torch_cp,torch_cp_overlap,hf_static,compiled_loop,torch_cp_compiled,"
+                "hf_dynamic,generate_batch;"
+                "qwen3:4096:torch_cp,torch_cp_overlap,hf_dynamic,generate_batch;"
+                "mla:512:torch_cp,torch_cp_overlap,hf_dynamic,hf_static,compiled_loop,"
+                "generate_batch;"
+                "mla:4096:torch_cp,torch_cp_overlap,hf_dynamic")
 
 
 def parse_plan(text: str) -> list[tuple[str, int, list[str]]]:
