@@ -8,7 +8,8 @@ bf16, every rank generates greedily:
 
 - at P = 1 on its own GPU (no mesh): the expected tokens and the pool's bytes;
 - at P = world over NCCL, eagerly and with CUDA graphs (collectives captured in the graphs): the
-  tokens, the pool's bytes for the same pages, and the collectives it recorded;
+  tokens, the pool's bytes for the same pages, and the collectives it recorded; each again with
+  every decode step planned during the previous one (``overlap_planning``);
 - with CUDA graphs over the mesh, the NaN-padding check of ``tests/test_graphs_gpu.py``.
 
 Where bf16 tokens differ from P = 1, the unpatched model's logit gap between the two tokens at the
@@ -69,19 +70,20 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 300, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def run_engine(model, cuda_graphs: bool, num_pages: int = 64):
-    """(tokens, pool bytes, recorded collectives, replayed steps) of greedy generation."""
+def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = False):
+    """(tokens, pool bytes, recorded collectives, replayed steps, steps planned ahead) of
+    greedy generation."""
     records = []
     model.torch_cp.exchange.records = records
     engine = torch_cp.Engine(model, num_pages, 16, cuda_graphs=cuda_graphs, max_rows=8,
-                             max_pages_per_row=8)
+                             max_pages_per_row=8, overlap_planning=overlap)
     results = engine.run(prompts(), NEW_TOKENS)
     errors = [r.error for r in results if not r.ok]
     assert not errors, errors
     model.torch_cp.exchange.records = None
     return dict(tokens=[list(r.token_ids) for r in results], kv_bytes=engine.kv_bytes,
                 records=[f"{r.op}{list(r.shape)}:{r.dtype}" for r in records],
-                replayed=engine.replayed_steps)
+                replayed=engine.replayed_steps, planned_ahead=engine.planned_ahead_steps)
 
 
 def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple[float, float] | None]:
@@ -122,6 +124,7 @@ def run_case(case: Case, backend: str, dtype, device, cuda: bool) -> dict:
         out["P"] = model.torch_cp.placement.size
         key = "graphs" if graphs else "eager"
         out[key] = run_engine(model, cuda_graphs=graphs)
+        out[f"{key}_overlap"] = run_engine(model, cuda_graphs=graphs, overlap=True)
         if dtype != torch.float32:
             out[key]["gaps"] = near_tie_gaps(case, dtype, device, out["p1"]["tokens"],
                                              out[key]["tokens"])

@@ -1,8 +1,9 @@
 """Context parallelism over NCCL on 2 (and 4) GPUs, launched with torchrun (tests/nccl_checks.py):
 greedy tokens equal P = 1 on one GPU, eager and with captured collectives, for TP- and SP-mode GQA
 and TP-mode MLA; every partner records the same collectives; each rank's pool holds 1/P of the
-bytes; NaN padding stays out of real rows in captured buckets. The 4-rank cases also run on the
-CPU over gloo (fp32, eager), so the script is known to work before 4 GPUs are lent."""
+bytes; NaN padding stays out of real rows in captured buckets; planning each decode step during
+the previous one changes no token and no collective. The 4-rank cases also run on the CPU over
+gloo (fp32, eager), so the script is known to work before 4 GPUs are lent."""
 
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def check(report: dict, modes: tuple[str, ...]) -> None:
             assert all(run["tokens"] == runs[0]["tokens"] for run in runs), f"{key} {mode}"
             assert runs[0]["records"] and all(
                 run["records"] == runs[0]["records"] for run in runs), f"{key} {mode} lockstep"
+            ahead = [r[f"{mode}_overlap"] for r in per_rank]
+            assert all(a["tokens"] == run["tokens"] for a, run in zip(ahead, runs)), \
+                f"{key} {mode}: planning ahead changed tokens"
+            assert ahead[0]["planned_ahead"] > 0 and all(
+                a["records"] == ahead[0]["records"] for a in ahead), f"{key} {mode} ahead"
             want, got = first["p1"]["tokens"], runs[0]["tokens"]
             if key.endswith("/torch"):  # fp32: exactly P = 1's tokens
                 assert got == want, f"{key} {mode}"
