@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch_cp
 from benchmarks import models
 from benchmarks.common import Results, free_cuda, run_header, table
+from torch_cp.memory import pool_bytes_per_page
 from torch_cp.scheduler import Row
 
 PAGE = 16
@@ -48,9 +49,7 @@ SETUPS = {"qwen3": "sp", "mla": "tp"}
 def capacity_tokens(model, device, reserve_gib: float) -> int:
     """Tokens of the largest pool that fits in 90% of free memory less ``reserve_gib``."""
     runtime = model.torch_cp
-    probe = runtime.new_pool(1, PAGE)
-    per_page = probe.bytes // 2  # one page plus the sink page
-    del probe
+    per_page = pool_bytes_per_page(runtime, PAGE)
     if device.type != "cuda":
         return 0
     free_cuda(device)

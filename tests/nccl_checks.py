@@ -56,13 +56,10 @@ CASES = {
 
 
 def build(case: Case, dtype: torch.dtype, device):
-    if case.model == "mla":
-        from test_generate_gpu import mla
+    from test_graphs_gpu import deepseek_mla, qwen3
 
-        return mla().to(dtype).to(device)
-    return torch_cp.tiny_qwen3(seed=0, dtype=dtype, hidden_size=256, head_dim=128,
-                               num_attention_heads=4,
-                               num_key_value_heads=case.kv_heads).to(device)
+    model = deepseek_mla(dtype) if case.model == "mla" else qwen3(dtype, case.kv_heads)
+    return model.to(device)
 
 
 def prompts() -> list[list[int]]:

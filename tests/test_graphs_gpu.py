@@ -25,10 +25,10 @@ if importlib.util.find_spec("flashinfer") is not None:
     BACKENDS.append(("flashinfer", torch.bfloat16, 0.25))
 
 
-def qwen3(dtype):
+def qwen3(dtype, kv_heads: int = 1):
     # hidden 256 / head_dim 128 keeps the FlashInfer kernels on the prebuilt set.
     return tiny_qwen3(seed=0, dtype=dtype, hidden_size=256, head_dim=128,
-                      num_attention_heads=4, num_key_value_heads=1)
+                      num_attention_heads=4, num_key_value_heads=kv_heads)
 
 
 def deepseek_mla(dtype):

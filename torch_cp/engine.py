@@ -197,8 +197,7 @@ class Engine:
             step = ahead
             self.planned_ahead_steps += 1
         else:
-            step = self.launcher.plan(rows, [self.allocator.table_tensor(r.request)
-                                             for r in rows])
+            step = self._plan(rows)
         logits = self.launcher.launch(step, ids, sampled)
         self.replayed_steps += step.bucket is not None
         if self.overlap_planning:
@@ -212,14 +211,16 @@ class Engine:
             tokens = _broadcast_from_rank0(tokens, device)
         return {rows[b].request: int(t) for b, t in zip(sampled, tokens.tolist())}
 
+    def _plan(self, rows: list[Row]) -> PlannedStep:
+        return self.launcher.plan(rows, [self.allocator.table_tensor(r.request) for r in rows])
+
     def _plan_ahead(self, rows: list[Row], scheduler: Scheduler) -> PlannedStep | None:
         """Plan the step after ``rows`` while they run, if the scheduler can foresee it."""
         following = scheduler.next_decode_rows(rows)
         if following is None:
             return None
         try:
-            return self.launcher.plan(following, [self.allocator.table_tensor(r.request)
-                                                  for r in following])
+            return self._plan(following)
         except StepRefused:
             return None  # planned again (and refused again, then retried smaller) next step
 

@@ -64,6 +64,11 @@ def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
     return -(-max(len(prompt) + max_new_tokens - 1, 1) // page_size)
 
 
+def pool_bytes_per_page(runtime, page_size: int) -> int:
+    """Bytes one logical page of ``runtime``'s pool takes on this rank, every layer."""
+    return runtime.new_pool(1, page_size).bytes // 2  # one page plus the sink page
+
+
 def default_num_pages(runtime, prompts, news, page_size: int) -> int:
     """Pages for every request's whole lifetime, capped by 90% of free memory on CUDA."""
     need = sum(lifetime_pages(p, n, page_size) for p, n in zip(prompts, news))
@@ -71,8 +76,5 @@ def default_num_pages(runtime, prompts, news, page_size: int) -> int:
     device = torch.device(runtime.device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        probe = runtime.new_pool(1, page_size)
-        per_page = probe.bytes // 2  # one page plus the sink page
-        del probe
-        need = max(1, min(need, int(0.9 * free) // per_page))
+        need = max(1, min(need, int(0.9 * free) // pool_bytes_per_page(runtime, page_size)))
     return need
