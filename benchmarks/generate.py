@@ -7,8 +7,8 @@ each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EO
 - ``torch_cp``: ``torch_cp.Engine(..., cuda_graphs=True)`` over a patched model (P = 1,
   FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per block;
   ``torch_cp_overlap``: the same with ``overlap_planning=True`` (the next decode step planned
-  while this one runs); ``torch_cp_compiled``: with ``compile=True`` (the captured step is
-  ``torch.compile(model.forward, fullgraph=True)``);
+  while this one runs); ``torch_cp_compiled``: with ``compile=True`` as well (the captured step
+  is ``torch.compile(model.forward, fullgraph=True)``);
 - ``hf_static``: ``model.generate`` with the static cache, compiled by transformers' default
   CompileConfig (a warm-up call per shape first, which includes the compile);
 - ``hf_dynamic``: ``model.generate`` with the dynamic cache, eager;
@@ -223,7 +223,7 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
                     state[system] = TorchCP(model, max(batches), prompt + args.new_tokens,
                                             "torch" if smoke else "flashinfer", not smoke,
                                             compile=system == "torch_cp_compiled",
-                                            overlap=system == "torch_cp_overlap")
+                                            overlap=system != "torch_cp")
                     info[f"{system}_setup_s_{prompt}"] = state[system].setup_s
                     info["torch_cp_cuda_graphs"] = state[system].cuda_graphs
                 timing, extra = run_system(system, state, model, prompts, args.new_tokens,

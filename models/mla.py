@@ -16,6 +16,7 @@ the module's own (``attn.scaling``: ``qk_head_dim ** -0.5`` with DeepSeek's YaRN
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 from torch import nn
@@ -146,8 +147,9 @@ class MLAFamily:
         ckv, kpe = attn.kv_a_proj_with_mqa(x_nd).split([rank, rope], dim=-1)
         ckv_nr = attn.kv_a_layernorm(ckv)
 
-        # The model's own RoPE (rotate_half or interleaved pairs), unsqueezed over heads.
-        hf = _hf_module(attn.config.model_type)
+        # The model's own RoPE (rotate_half or interleaved pairs), unsqueezed over heads; its
+        # module is already imported (sys.modules, not importlib, which torch.compile cannot trace).
+        hf = sys.modules[type(attn).__module__]
         rotary = (hf.apply_rotary_pos_emb_interleave if attn.config.rope_interleave
                   else hf.apply_rotary_pos_emb)
         q_pe, kpe_n1r = rotary(q_pe, kpe.unsqueeze(1), cos_nd, sin_nd, unsqueeze_dim=1)

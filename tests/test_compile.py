@@ -4,11 +4,18 @@ equal eager logits within fp32 reassociation (1e-4 on O(1-10) logits; observed ~
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from multirank import run_ranks
+from test_patch_mla import tiny_config as tiny_mla_config
+from test_patch_mla import tiny_model as tiny_mla_model
+from torch._inductor.utils import run_and_get_code
 
 import torch_cp
+from torch_cp.attention.ops import pool_layer_tensors
 from torch_cp.plan import build_step_plan
 
 PAGE = 8
@@ -59,3 +66,27 @@ def test_compiled_placed_model_equals_eager_over_two_partners():
     for rank, (eager, compiled) in enumerate(run_ranks(2, _on_rank)):
         for e, c in zip(eager, compiled):
             torch.testing.assert_close(c, e, **TOL, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def _largest_buffer(code: str) -> int:
+    """Elements of the largest buffer that Inductor's generated code allocates."""
+    shapes = re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)
+    return max(math.prod(int(d) for d in s.split(",") if d.strip()) for s in shapes)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_compiled_step_writes_the_pool_in_place(family):
+    """The pool is written in place: no buffer of a pool layer's size in the compiled step (traced
+    as plain indexing, functionalization rebuilt each layer and the whole pool every layer)."""
+    model = (torch_cp.tiny_qwen3() if family == "qwen3"
+             else tiny_mla_model(tiny_mla_config(family)))
+    torch_cp.patch_model(model, page_size=PAGE)
+    torch._dynamo.reset()
+    cache = torch_cp.PagedKVCache.for_model(model, num_pages=400, page_size=PAGE)
+    compiled = torch.compile(model.forward, fullgraph=True)
+    _step(model, cache, compiled, [1, 2, 3], [3], [0], [[0]])
+    eager = _step(model, cache, model.forward, [5], [1], [3], [[0]])
+    out, code = run_and_get_code(_step, model, cache, compiled, [5], [1], [3], [[0]])
+    torch.testing.assert_close(out, eager, **TOL)  # the compiled write landed where eager's did
+    layer = min(t.numel() for t in pool_layer_tensors(cache.pool, 0))
+    assert _largest_buffer("\n".join(code)) < layer

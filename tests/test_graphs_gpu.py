@@ -140,10 +140,11 @@ def check_replay_and_padding(h: Harness, atol: float) -> None:
         torch.testing.assert_close(poisoned.float(), h.eager(**step), atol=atol, rtol=0)
 
 
-def test_compiled_model_is_captured_and_replays_like_eager():
+@pytest.mark.parametrize("model", list(MODELS))
+def test_compiled_model_is_captured_and_replays_like_eager(model):
     """torch.compile(fullgraph=True) of the patched model, then captured per bucket."""
     h = Harness("flashinfer" if len(BACKENDS) > 1 else "torch",
-                BACKENDS[-1][1], compile_forward=True)
+                BACKENDS[-1][1], compile_forward=True, model=model)
     atol = BACKENDS[-1][2]
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 30)]
@@ -160,3 +161,16 @@ def test_compiled_model_is_captured_and_replays_like_eager():
         graph = h.runner.step(**step)
         torch.testing.assert_close(graph.float(), eager, atol=atol, rtol=0)
         nxt = graph.argmax(-1).tolist()
+
+
+def test_step_plan_host_side_is_pinned_and_equals_the_device_side():
+    """The host indptrs FlashInfer plans from are pinned (its copies from them then do not wait
+    for the step still running) and hold the same values as the device plan."""
+    plan = build_step_plan([1, 1], [17, 40], [[0, 1], [2, 3, 4]], page_size=PAGE, sink_page=9,
+                           device="cuda")
+    pairs = [(plan.qo_indptr_host, plan.qo_indptr)] + [
+        (getattr(plan.context_host, f), getattr(plan.context, f))
+        for f in ("lens", "indptr", "indices", "last_page_len", "table")]
+    for host, device in pairs:
+        assert host.is_pinned()
+        assert torch.equal(host, device.cpu())

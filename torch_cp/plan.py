@@ -144,12 +144,19 @@ class StepPlan:
                        is_decode=False)
 
 
-def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Same-dtype host tensors on ``device`` through one pinned host-to-device copy."""
+def _upload(host: list[torch.Tensor], device: torch.device
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Same-dtype host tensors on ``device`` through one pinned host-to-device copy: (device
+    tensors, the host tensors as views of the pinned buffer). Pinned, the host copies that
+    FlashInfer's plan makes from them run asynchronously: from pageable memory a copy first waits
+    for the stream, which would serialise planning ahead with the step still running."""
     if device.type == "cpu":
-        return host
-    flat = torch.cat([t.flatten() for t in host]).pin_memory().to(device, non_blocking=True)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host)]
+        return host, host
+    sizes = [t.numel() for t in host]
+    pinned = torch.cat([t.flatten() for t in host]).pin_memory()
+    flat = pinned.to(device, non_blocking=True)
+    return ([part.view(t.shape) for part, t in zip(flat.split(sizes), host)],
+            [part.view(t.shape) for part, t in zip(pinned.split(sizes), host)])
 
 
 def build_step_plan(
@@ -231,11 +238,11 @@ def build_step_plan(
     host = paged_indptrs(placement.local_length(attend), table, local_page, sink_page)
     dev = torch.device(device)
     i32 = torch.int32
-    qo_d, q_d, c_d, lens_d, indptr_d, indices_d, last_d, table_d = _upload(
+    (qo_d, q_d, c_d, *context_d), (qo_h, _, _, *context_h) = _upload(
         [qo_indptr.to(i32), q_t.to(i32), c_t.to(i32), host.lens, host.indptr, host.indices,
          host.last_page_len, host.table], dev)
-    positions_d, token_row_d, write_index_d = _upload([positions, token_row, write_index], dev)
-    context = PagedIndptrs(lens_d, indptr_d, indices_d, last_d, table_d)
+    (positions_d, token_row_d, write_index_d), _ = _upload([positions, token_row, write_index],
+                                                           dev)
     return StepPlan(
         num_rows=rows,
         num_tokens=num_tokens,
@@ -245,9 +252,9 @@ def build_step_plan(
         positions=positions_d,
         token_row=token_row_d,
         write_index=write_index_d,
-        context=context,
-        context_host=host,
-        qo_indptr_host=qo_indptr.to(i32),
+        context=PagedIndptrs(*context_d),
+        context_host=PagedIndptrs(*context_h),
+        qo_indptr_host=qo_h,
         is_decode=is_decode,
         page_size=page_size,
         local_page_size=local_page,

@@ -37,7 +37,7 @@ class GQAPool:
     def write(self, layer_idx: int, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
               write_index: torch.Tensor) -> None:
         """Store new tokens' ``k_nhd``/``v_nhd`` [N, kv_heads, head_dim] at flat physical slots."""
-        write_kv_slots(self.kv[layer_idx], k_nhd, v_nhd, write_index)
+        write_kv([self.kv[layer_idx]], k_nhd, v_nhd, write_index)
 
     @property
     def bytes(self) -> int:
@@ -51,6 +51,23 @@ def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor
     page_ids, slots = write_index // page, write_index % page
     cache[page_ids, 0, slots] = k_nhd.to(cache.dtype)
     cache[page_ids, 1, slots] = v_nhd.to(cache.dtype)
+
+
+@torch.library.custom_op("torch_cp::write_kv", mutates_args=("caches",))
+def write_kv(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
+             write_index: torch.Tensor) -> None:
+    """One layer's write at flat physical slots: GQA ``caches = [kv]`` with ``new_a, new_b = k,
+    v``; MLA ``caches = [ckv, kpe]`` with the new latents and rope keys.
+
+    A custom op that declares the mutation, so a compiled step writes the pool in place: traced as
+    plain indexing, functionalization rebuilt the layer's and the whole pool's tensors every layer
+    (a copy that grows with the pool: 132 ms per Qwen3-8B decode step at 1,280 pages).
+    """
+    if len(caches) == 1:
+        write_kv_slots(caches[0], new_a, new_b, write_index)
+        return
+    for cache, new in zip(caches, (new_a, new_b)):
+        cache.view(-1, cache.shape[-1]).index_copy_(0, write_index, new.to(cache.dtype))
 
 
 class MLAPool:
@@ -76,8 +93,7 @@ class MLAPool:
               write_index: torch.Tensor) -> None:
         """Store new tokens' latent ``ckv_nd`` [N, kv_lora_rank] and rope key ``kpe_nd``
         [N, rope] at flat physical slots."""
-        for cache, new in ((self.ckv[layer_idx], ckv_nd), (self.kpe[layer_idx], kpe_nd)):
-            cache.view(-1, cache.shape[-1]).index_copy_(0, write_index, new.to(cache.dtype))
+        write_kv([self.ckv[layer_idx], self.kpe[layer_idx]], ckv_nd, kpe_nd, write_index)
 
     @property
     def bytes(self) -> int:
