@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from benchmarks.common import fmt
 
-STYLE = {"torch_cp": ("tab:red", "o"), "hf_static": ("tab:blue", "s"),
+STYLE = {"torch_cp": ("tab:red", "o"), "torch_cp_overlap": ("tab:pink", "o"),
+         "torch_cp_compiled": ("darkred", "*"), "hf_static": ("tab:blue", "s"),
          "compiled_loop": ("tab:purple", "D"), "hf_dynamic": ("tab:green", "^"),
          "generate_batch": ("tab:orange", "v")}
 
 
 def load(paths: list[str]) -> list[dict]:
+    """Every record of ``paths``; ``run`` is the number in a ``generate_runN`` file name (else
+    the file's position)."""
     records = []
-    for run, path in enumerate(paths, 1):
+    for position, path in enumerate(paths, 1):
         data = json.loads(Path(path).read_text())
+        named = re.search(r"run(\w+)$", Path(path).stem)
+        run = named.group(1) if named else str(position)
         for r in data["records"]:
             records.append(dict(r, run=run, copy_tb_s=data["copy_tb_s"]))
     return records
@@ -68,13 +74,18 @@ def cell(value) -> str:
     return fmt(value, missing="")
 
 
+def _run_order(run: str) -> tuple[int, str]:
+    digits = re.match(r"\d*", run).group()
+    return int(digits or 0), run
+
+
 def generate_table(records: list[dict]) -> str:
     cols = ["run", "model", "prompt", "batch", "system", "tokens/s", "ms/step", "roofline ms",
             "step/roofline", "TTFT s", "peak GiB", "note"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     order = {s: i for i, s in enumerate(STYLE)}
     for r in sorted(records, key=lambda r: (r["model"], r["prompt"], r["batch"],
-                                             order.get(r["system"], 9), r["run"])):
+                                             order.get(r["system"], 9), _run_order(r["run"]))):
         note = r.get("skipped") or (r.get("error", "")[:80] if "error" in r else "")
         if r.get("warmup_s"):
             note = f"warm-up call {r['warmup_s']:.0f} s"
