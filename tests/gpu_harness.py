@@ -5,8 +5,6 @@ step plan and backend; the context K/V are written through the placement, the st
 through ``plan.write_index``. The exchange is done in-process (not the product path): SP mode
 merges every partner's partial; TP mode gathers all query heads to every partner and merges each
 head's P partials. Multi-token steps merge the own-token partial last, as the module does.
-
-``python tests/gpu_harness.py`` times FlashInfer's paged decode with and without tensor cores.
 """
 
 from __future__ import annotations
@@ -203,95 +201,3 @@ def run_placed(make_backend: Callable[[AttentionGeometry], object], shape: Shape
         if owns:
             merged = merge_two(merged, owns[0])
     return PlacedResult(merged, contexts, plans)
-
-
-def bench_decode(batch: int, ctx: int, q_heads: int, kv_heads: int, size: int = 1,
-                 page_size: int = 16, iters: int = 50) -> dict:
-    """Milliseconds of one partner's paged decode (its 1/P stripe), CUDA cores vs tensor cores."""
-    import flashinfer
-
-    from torch_cp.attention.flashinfer_gqa import CUDA_CORE_DECODE_GROUPS
-
-    device = torch.device("cuda")
-    local_page, local_ctx = page_size // size, math.ceil(ctx / size)
-    pages = math.ceil(local_ctx / local_page)
-    kv = torch.randn(batch * pages, 2, local_page, kv_heads, 128, dtype=torch.bfloat16,
-                     device=device)
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
-    indices = torch.randperm(batch * pages).to(torch.int32)
-    last = torch.full((batch,), local_ctx - (pages - 1) * local_page, dtype=torch.int32)
-    q = torch.randn(batch, q_heads, 128, dtype=torch.bfloat16, device=device)
-    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
-    result = dict(batch=batch, ctx=ctx, P=size, q_heads=q_heads, kv_heads=kv_heads,
-                  group=q_heads // kv_heads, kv_gb=kv.numel() * 2 / 1e9)
-    modes = (False, True) if q_heads // kv_heads in CUDA_CORE_DECODE_GROUPS else (True,)
-    for tensor_cores in modes:
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=tensor_cores)
-        wrapper.plan(indptr, indices, last, q_heads, kv_heads, 128, local_page,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        for _ in range(5):
-            wrapper.run(q, kv, return_lse=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            wrapper.run(q, kv, return_lse=True)
-        end.record()
-        end.synchronize()
-        result["tensor_cores" if tensor_cores else "cuda_cores"] = start.elapsed_time(end) / iters
-    return result
-
-
-def _time_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def bench_mla(rows: int, q_len: int, ctx: int, heads: int) -> dict:
-    """Milliseconds of the MLA backend's context (fa2 vs fa3) and own tokens (FlashInfer vs
-    torch) for ``rows`` rows of ``q_len`` new tokens after ``ctx`` cached ones (one partner)."""
-    from torch_cp.attention.flashinfer_mla import FlashInferMLABackend
-
-    shape = Shape("mla", heads, 1, 576, 512, 64)
-    batch = Batch((q_len,) * rows, (ctx,) * rows)
-    inputs = make_inputs(shape, batch, torch.bfloat16, "cuda")
-    cp = ContextParallel.single()
-    plan = build_step_plan(batch.q_lens, batch.ctx_lens, inputs.tables, page_size=16,
-                           sink_page=inputs.num_pages, device="cuda")
-    pool = _new_pool(shape, inputs, 16, cp, torch.bfloat16, "cuda", 0)
-    geometry = geometry_for(shape, 1, "sp")
-    result = dict(rows=rows, q_len=q_len, ctx=ctx, heads=heads)
-    for fa in ("fa2", "fa3"):
-        backend = FlashInferMLABackend(geometry, "cuda", fa_backend=fa, own_tokens="flashinfer")
-        backend.plan(plan)
-        result[f"context_{fa}"] = _time_ms(lambda b=backend: b.run_context(inputs.q, pool, 0))
-        if not plan.is_decode:
-            result[f"own_{fa}"] = _time_ms(
-                lambda b=backend: b.run_own(inputs.q, inputs.k_new, inputs.v_new))
-    if not plan.is_decode:
-        backend = FlashInferMLABackend(geometry, "cuda", own_tokens="torch")
-        backend.plan(plan)
-        result["own_torch"] = _time_ms(
-            lambda: backend.run_own(inputs.q, inputs.k_new, inputs.v_new), iters=5)
-    return result
-
-
-if __name__ == "__main__":
-    import json
-
-    torch.manual_seed(0)
-    for rows, q_len, ctx, heads in ((64, 1, 4096, 16), (64, 1, 4096, 128), (4, 1024, 1024, 16),
-                                    (1, 4096, 0, 16), (16, 256, 2048, 64)):
-        print(json.dumps(bench_mla(rows, q_len, ctx, heads)), flush=True)
-    for size in (1, 2, 4):
-        for batch, ctx in ((64, 8192), (8, 2048), (1, 32768)):
-            for q_heads, kv_heads in ((8, 8), (16, 8), (32, 8), (32, 4), (32, 2), (8, 1),
-                                      (16, 1), (32, 1)):
-                print(json.dumps(bench_decode(batch, ctx, q_heads, kv_heads, size)), flush=True)
