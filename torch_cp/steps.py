@@ -4,8 +4,8 @@ Planning is host work (``build_step_plan``, ``backend.plan``, copies into the bu
 buffers) and a launch only enqueues device work, so the engine can plan step n + 1 while step n
 runs on the device (``Engine(overlap_planning=True)``): everything planning writes on the device
 is a stream-ordered copy that lands after step n's kernels, and FlashInfer's pinned host buffers
-are fenced (``flashinfer_gqa._PlanFence``). Copies from pageable host memory (FlashInfer's plan
-copies the host indptrs it is given) wait for the stream, so that part does not overlap yet.
+are fenced (``flashinfer_gqa._PlanFence``). The host indptrs FlashInfer's plan copies are pinned
+too (``plan._upload``): a copy from pageable memory would first wait for step n.
 """
 
 from __future__ import annotations
