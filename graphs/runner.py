@@ -145,8 +145,8 @@ class CUDAGraphRunner:
                 tables: Sequence[Sequence[int]]) -> tuple[Bucket, StepPlan] | None:
         """Plan a step into its bucket's static buffers and plan the backend; None when no
         captured bucket fits. Host work plus stream-ordered copies: it may run while an earlier
-        replay still executes (the copies land after it; a copy from pageable host memory waits
-        for that replay first)."""
+        replay still executes (the copies land after it; their host sources are pinned, so they
+        do not wait for it)."""
         bucket = self.bucket_for(q_lens, max((len(t) for t in tables), default=0))
         if bucket is None:
             return None

@@ -232,6 +232,18 @@ def _broadcast_from_rank0(tokens: torch.Tensor, device: torch.device) -> torch.T
     return t.cpu()
 
 
+def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,
+               num_pages: int | None = None, **engine_kwargs) -> Engine:
+    """An ``Engine`` for token-id ``prompts`` with ``news`` new tokens each: a pool of
+    ``num_pages`` (default: every request's whole lifetime, capped by free memory) and captured
+    buckets as wide as the longest request. ``engine_kwargs`` go to ``Engine``."""
+    if num_pages is None:
+        num_pages = default_num_pages(runtime_of(model), prompts, news, page_size)
+    widest = max((lifetime_pages(p, n, page_size) for p, n in zip(prompts, news)), default=1)
+    return Engine(model, num_pages, page_size, max_pages_per_row=min(widest, num_pages),
+                  **engine_kwargs)
+
+
 def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Sequence[int] = 32,
              *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
@@ -273,13 +285,9 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
     if len(news) != len(token_prompts):
         raise ValueError(f"max_new_tokens has {len(news)} entries for {len(token_prompts)} prompts")
     page_size = page_size or getattr(runtime, "page_size", None) or DEFAULT_PAGE_SIZE
-    if num_pages is None:
-        num_pages = default_num_pages(runtime, token_prompts, [max(n, 1) for n in news], page_size)
-    widest = max((lifetime_pages(p, max(n, 1), page_size) for p, n in zip(token_prompts, news)),
-                 default=1)
-    engine = Engine(model, num_pages, page_size, max_tokens_per_step, cuda_graphs=cuda_graphs,
-                    max_pages_per_row=min(widest, num_pages), compile=compile,
-                    overlap_planning=overlap_planning)
+    engine = engine_for(model, token_prompts, [max(n, 1) for n in news], page_size, num_pages,
+                        max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
+                        compile=compile, overlap_planning=overlap_planning)
     eos = eos_ids(model, eos_token_id, tokenizer)
     results = engine.run(token_prompts, news, sampling, eos, progress)
     if tokenizer is None:

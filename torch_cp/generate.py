@@ -111,7 +111,6 @@ def main(argv=None) -> int:
         raise ValueError("; ".join(problems))
     import torch.distributed as dist
 
-    from torch_cp.memory import default_num_pages, lifetime_pages
     from torch_cp.mesh import init_mesh
     from torch_cp.patch import patch_model
     from torch_cp.requests import eos_ids
@@ -131,12 +130,10 @@ def main(argv=None) -> int:
     prompts = prompts_of(args, tokenizer)
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
-    num_pages = default_num_pages(runtime, prompts, news, args.page_size)
-    widest = max(lifetime_pages(p, n, args.page_size) for p, n in zip(prompts, news))
-    eng = engine.Engine(model, num_pages, args.page_size, args.max_tokens_per_step,
-                        cuda_graphs=args.cuda_graphs, compile=args.compile,
-                        max_pages_per_row=min(widest, num_pages),
-                        overlap_planning=args.overlap_planning)
+    eng = engine.engine_for(model, prompts, news, args.page_size,
+                            max_tokens_per_step=args.max_tokens_per_step,
+                            cuda_graphs=args.cuda_graphs, compile=args.compile,
+                            overlap_planning=args.overlap_planning)
     sampling = engine.SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = eng.run(prompts, news, sampling, eos_ids(model, None, tokenizer),
                       progress=not args.no_progress)
@@ -152,7 +149,8 @@ def main(argv=None) -> int:
             print(line + (f"error: {r.error}" if r.error else str(list(r.token_ids))))
             if tokenizer is not None and r.ok:
                 print(f"  text: {tokenizer.decode(list(r.token_ids), skip_special_tokens=True)!r}")
-        print(f"KV cache: {num_pages} pages of {args.page_size} tokens, {eng.steps} steps")
+        print(f"KV cache: {eng.allocator.num_pages} pages of {args.page_size} tokens, "
+              f"{eng.steps} steps")
         for i, b in enumerate(kv):
             print(f"KV bytes rank {i}: {b}")
     if dist.is_initialized():
