@@ -7,8 +7,9 @@ each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EO
 - ``torch_cp``: ``torch_cp.Engine(..., cuda_graphs=True)`` over a patched model (P = 1,
   FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per block;
   ``torch_cp_overlap``: the same with ``overlap_planning=True`` (the next decode step planned
-  while this one runs); ``torch_cp_compiled``: with ``compile=True`` as well (the captured step
-  is ``torch.compile(model.forward, fullgraph=True)``);
+  and launched, fed this step's tokens on the device, while this one runs; a step's time is
+  stamped when its tokens reach the host); ``torch_cp_compiled``: with ``compile=True`` as
+  well (the captured step is ``torch.compile(model.forward, fullgraph=True)``);
 - ``hf_static``: ``model.generate`` with the static cache, compiled by transformers' default
   CompileConfig (a warm-up call per shape first, which includes the compile);
 - ``hf_dynamic``: ``model.generate`` with the dynamic cache, eager;
@@ -36,7 +37,6 @@ import traceback
 import torch
 
 import torch_cp
-import torch_cp.engine as engine_module
 from benchmarks import models, peers
 from benchmarks.common import Budget, Results, copy_bandwidth, free_cuda, run_header, sync, table
 from benchmarks.peers import Timing
@@ -75,15 +75,16 @@ class TorchCP:
         # The whole prefill in one step where it fits 64k tokens (as Hugging Face prefills).
         self.engine.max_tokens_per_step = min(batch * prompt, 65536)
         stamps: list[tuple[float, int]] = []
-        original = engine_module.sample
+        tokens_of = self.engine._tokens
 
-        def timed_sample(logits, *args, **kwargs):
-            out = original(logits, *args, **kwargs)
-            sync(device)
-            stamps.append((time.perf_counter(), logits.shape[0]))
+        def timed_tokens(step, *args, **kwargs):
+            # Stamped when a step's tokens are on the host; with overlap the next step is
+            # already queued on the device, as it is when torch_cp runs untimed.
+            out = tokens_of(step, *args, **kwargs)
+            stamps.append((time.perf_counter(), len(step.sampled)))
             return out
 
-        engine_module.sample = timed_sample
+        self.engine._tokens = timed_tokens
         peers.reset_peak(device)
         replayed = getattr(self.engine, "replayed_steps", 0)
         try:
@@ -93,7 +94,7 @@ class TorchCP:
             sync(device)
             wall = time.perf_counter() - start
         finally:
-            engine_module.sample = original
+            del self.engine._tokens
         bad = [r for r in results if len(r.token_ids) != new_tokens]
         if bad:
             raise RuntimeError(f"torch_cp: request {bad[0].index} made {len(bad[0].token_ids)} "

@@ -17,7 +17,9 @@ Each run reports:
 - the largest context one request can hold: the pool pages that fit in 90% of the memory free
   after the model is loaded, times the page size (allocated, then freed);
 - per (context, batch): the decode step time (CUDA-graph replay after host planning, the greedy
-  token back on the host: what ``generate`` does per step), or why it does not fit;
+  token back on the host: what ``generate`` does per step), or why it does not fit; and the
+  same with each step planned and launched before the host waits for the previous step's token
+  (``step_ms_overlap``: ``Engine(overlap_planning=True)``'s steady state);
 - the exchange's share of the step: CUDA time of NCCL kernels per step (torch.profiler over
   replays) against the step time. NCCL kernels wait for the slowest partner, so this counts the
   partners' skew as exchange time.
@@ -40,7 +42,9 @@ import torch_cp
 from benchmarks import models
 from benchmarks.common import Results, free_cuda, run_header, table
 from torch_cp.memory import pool_bytes_per_page
+from torch_cp.sampling import greedy_tokens
 from torch_cp.scheduler import Row
+from torch_cp.steps import LaunchedStep
 
 PAGE = 16
 SETUPS = {"qwen3": "sp", "mla": "tp"}
@@ -80,10 +84,12 @@ class Decoder:
         ids, rows = [1] * batch, list(range(batch))
         following = [Row(row, context, 1, samples=True) for row in range(batch)]
 
-        def step():
+        def step() -> LaunchedStep:
             planned = e.launcher.plan(following, tables)
             self.replayed = planned.bucket is not None
-            return e.launcher.launch(planned, ids, rows).argmax(-1).tolist()
+            launched = LaunchedStep(following, rows, e.launcher.launch(planned, ids, rows))
+            launched.send_ids_home(greedy_tokens(launched.logits))
+            return launched
 
         def release():
             for row in range(batch):
@@ -92,14 +98,21 @@ class Decoder:
         return step, release
 
 
-def time_steps(step, device, iters: int) -> float:
+def time_steps(step, device, iters: int, overlap: bool) -> float:
+    """ms per step; ``overlap``: each step is planned and launched before the host waits for
+    the previous one's tokens (``Engine(overlap_planning=True)``), else the host waits for
+    each step's own tokens before planning the next."""
     for _ in range(3):
-        step()
+        step().host_ids()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
+    previous = None
     for _ in range(iters):
-        step()
+        launched = step()
+        (previous if overlap and previous is not None else launched).host_ids()
+        previous = launched
+    previous.host_ids()
     return (time.perf_counter() - start) * 1e3 / iters
 
 
@@ -153,7 +166,8 @@ def run_p(name: str, p: int, mesh, args, device, results: Results, rank: int) ->
                                  f"capacity {capacity}")
         else:
             step, release = decoder.step_fn(batch, context)
-            record["step_ms"] = time_steps(step, device, args.iters)
+            record["step_ms"] = time_steps(step, device, args.iters, overlap=False)
+            record["step_ms_overlap"] = time_steps(step, device, args.iters, overlap=True)
             record["replayed"] = decoder.replayed
             if p > 1:
                 nccl = nccl_ms_per_step(step, device)
@@ -208,7 +222,8 @@ def main() -> None:
             print(f"{name} at P = {world}: {time.perf_counter() - start:.0f} s", flush=True)
         dist.barrier()
     if rank == 0:
-        print(table(rows, ["model", "mode", "P", "context", "batch", "step_ms", "exchange_ms",
+        print(table(rows, ["model", "mode", "P", "context", "batch", "step_ms",
+                           "step_ms_overlap", "exchange_ms",
                            "exchange_share", "capacity_tokens", "skipped"]))
     dist.destroy_process_group()
 

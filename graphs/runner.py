@@ -155,15 +155,25 @@ class CUDAGraphRunner:
         return bucket, plan
 
     @torch.inference_mode()
-    def launch(self, prepared: tuple[Bucket, StepPlan], token_ids: Sequence[int],
+    def launch(self, prepared: tuple[Bucket, StepPlan], token_ids: Sequence[int] | torch.Tensor,
                logit_rows: Sequence[int]) -> torch.Tensor:
-        """Replay a prepared step: [len(logit_rows), vocab] logits (computed asynchronously)."""
+        """Replay a prepared step: [len(logit_rows), vocab] logits (computed asynchronously).
+        ``token_ids``: host ints, or a 1-D tensor on the device (copied on the stream)."""
         bucket, plan = prepared
         c = self.captured[bucket]
         ends = plan.qo_indptr_host[1:].long() - 1
         c.input_ids.fill_(self.pad_token_id)
-        c.input_ids[0, : len(token_ids)].copy_(torch.tensor(token_ids, dtype=torch.long))
+        _copy_in(c.input_ids[0, : len(token_ids)], token_ids)
         c.logit_tokens.zero_()
-        c.logit_tokens[: len(logit_rows)].copy_(ends[list(logit_rows)])
+        _copy_in(c.logit_tokens[: len(logit_rows)], ends[list(logit_rows)])
         c.graph.replay()
         return c.logits[: len(logit_rows)]
+
+
+def _copy_in(dst: torch.Tensor, values: Sequence[int] | torch.Tensor) -> None:
+    """A stream-ordered copy into a static input. Host values go through pinned memory: a copy
+    from pageable memory would first wait for every replay still queued on the stream."""
+    src = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+    if src.device.type == "cpu":
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=True)

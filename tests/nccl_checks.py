@@ -9,7 +9,8 @@ bf16, every rank generates greedily:
 - at P = 1 on its own GPU (no mesh): the expected tokens and the pool's bytes;
 - at P = world over NCCL, eagerly and with CUDA graphs (collectives captured in the graphs): the
   tokens, the pool's bytes for the same pages, and the collectives it recorded; each again with
-  every decode step planned during the previous one (``overlap_planning``);
+  decode steps launched during the previous one, fed its tokens (rank 0's, broadcast over
+  NCCL) on the device (``overlap_planning``);
 - with CUDA graphs over the mesh, the NaN-padding check of ``tests/test_graphs_gpu.py``.
 
 Where bf16 tokens differ from P = 1, the unpatched model's logit gap between the two tokens at the
@@ -68,8 +69,8 @@ def prompts() -> list[list[int]]:
 
 
 def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = False):
-    """(tokens, pool bytes, recorded collectives, replayed steps, steps planned ahead) of
-    greedy generation."""
+    """(tokens, pool bytes, recorded collectives, replayed steps, steps launched ahead, fed
+    the previous step's tokens on the device) of greedy generation."""
     records = []
     model.torch_cp.exchange.records = records
     engine = torch_cp.Engine(model, num_pages, 16, cuda_graphs=cuda_graphs, max_rows=8,
@@ -80,7 +81,7 @@ def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = Fa
     model.torch_cp.exchange.records = None
     return dict(tokens=[list(r.token_ids) for r in results], kv_bytes=engine.kv_bytes,
                 records=[f"{r.op}{list(r.shape)}:{r.dtype}" for r in records],
-                replayed=engine.replayed_steps, planned_ahead=engine.planned_ahead_steps)
+                replayed=engine.replayed_steps, launched_ahead=engine.launched_ahead_steps)
 
 
 def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple[float, float] | None]:

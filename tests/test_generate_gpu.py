@@ -69,11 +69,12 @@ def test_flashinfer_with_graphs_matches_the_reference_backend(name):
     got = tokens(engine.run(prompts(), NEW_TOKENS))
     assert engine.replayed_steps >= NEW_TOKENS - 2, "decode steps replay from CUDA graphs"
     assert got == expected
-    # Planning step n + 1 into the static buffers while step n replays: the same tokens.
+    # Step n + 1 planned into the static buffers and launched, fed step n's tokens on the
+    # device, while step n replays: the same tokens.
     ahead = torch_cp.Engine(fast, num_pages=64, page_size=16, cuda_graphs=True,
                             max_pages_per_row=8, overlap_planning=True)
     assert tokens(ahead.run(prompts(), NEW_TOKENS)) == expected
-    assert ahead.planned_ahead_steps >= NEW_TOKENS // 2
+    assert ahead.launched_ahead_steps >= NEW_TOKENS // 2
 
 
 def qwen3_in(dtype):

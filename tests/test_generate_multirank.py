@@ -53,7 +53,7 @@ def _ranks(rank: int, world_size: int):
         engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True)
         tokens = [r.token_ids for r in engine.run(PROMPTS, NEW)]
         model.torch_cp.exchange.records = None
-        out[f"{mode} overlap"] = (tokens, engine.planned_ahead_steps,
+        out[f"{mode} overlap"] = (tokens, engine.launched_ahead_steps,
                                   [(r.op, r.shape) for r in records])
     mesh = init_mesh(tp=2, sp=1, device_type="cpu")
     model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
@@ -124,7 +124,8 @@ def test_each_rank_holds_half_the_kv_and_every_page_returns(ranks, single, mode)
 @pytest.mark.parametrize("mode", list(MESHES))
 def test_planning_ahead_keeps_tokens_and_lockstep(ranks, hf, mode):
     """Engine(overlap_planning=True) over two partners: the unpatched model's tokens, some steps
-    launched from plans made ahead, and the same collectives on both ranks."""
+    launched ahead (fed rank 0's broadcast tokens without waiting for them on the host), and
+    the same collectives on both ranks."""
     runs = [per_mode[f"{mode} overlap"] for per_mode in ranks]
     for tokens, ahead, _ in runs:
         assert tokens == hf and ahead > 0

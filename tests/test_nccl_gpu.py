@@ -85,7 +85,7 @@ def check(report: dict, modes: tuple[str, ...]) -> None:
             ahead = [r[f"{mode}_overlap"] for r in per_rank]
             assert all(a["tokens"] == run["tokens"] for a, run in zip(ahead, runs)), \
                 f"{key} {mode}: planning ahead changed tokens"
-            assert ahead[0]["planned_ahead"] > 0 and all(
+            assert ahead[0]["launched_ahead"] > 0 and all(
                 a["records"] == ahead[0]["records"] for a in ahead), f"{key} {mode} ahead"
             want, got = first["p1"]["tokens"], runs[0]["tokens"]
             if key.endswith("/torch"):  # fp32: exactly P = 1's tokens

@@ -1,6 +1,8 @@
-"""Planning the next decode step while the current one runs (``Engine(overlap_planning=True)``):
-the scheduler foresees the next step exactly when no request stops at EOS, and the engine gives
-the same tokens with and without it, re-planning whenever the foreseen step does not come."""
+"""Overlapping steps (``Engine(overlap_planning=True)``): the scheduler foresees the next decode
+step exactly when no request stops at EOS; with greedy sampling the engine launches it, fed the
+running step's tokens on the device, before those reach the host. Tokens are the same as without
+overlap, whether the guess holds, a request stops at EOS (its row of the step launched ahead is
+dropped) or every request stops at once (the step launched ahead is drained)."""
 
 import pytest
 
@@ -16,27 +18,34 @@ NEW = [12, 5, 9, 12]
 
 
 def test_next_decode_rows_is_what_schedule_returns_next():
-    """Foreseen exactly when the step is all decode rows and no row needs a new page; then the
-    next ``schedule`` returns the foreseen rows."""
+    """Foreseen exactly when the step is all decode rows and some row continues; the rows'
+    pages are reserved (a row may cross into a new page), and the next ``schedule`` returns the
+    foreseen rows."""
     alloc = PageAllocator(num_pages=40, page_size=4)
     scheduler = Scheduler(alloc, max_tokens_per_step=64)
     for i, (prompt, new) in enumerate(zip(PROMPTS, NEW)):
         scheduler.add(Request(i, list(prompt), new))
-    foreseen = 0
+    foreseen = crossing = 0
     while not scheduler.done:
         rows = scheduler.schedule()
-        guess = scheduler.next_decode_rows(rows)
         decode = all(r.length == 1 and scheduler.running[r.request].decoding for r in rows)
         continuing = [r for r in rows if len(scheduler.running[r.request].generated) + 1
                       < scheduler.running[r.request].max_new_tokens]
-        new_page = any(len(alloc.table(r.request)) * 4 < r.start + 2 for r in continuing)
-        assert (guess is not None) == (decode and not new_page and bool(continuing))
+        missing = sum(alloc.missing_pages(r.request, r.start + 2) for r in continuing)
+        free = alloc.free_pages
+        guess = scheduler.next_decode_rows(rows)
+        assert (guess is not None) == (decode and bool(continuing))
+        if guess is not None:
+            assert all(alloc.missing_pages(r.request, r.start + 1) == 0 for r in guess)
+            assert free - alloc.free_pages == missing, "exactly the pages the rows grow into"
+            crossing += missing > 0
         tokens = {r.request: 1000 + r.request for r in rows if r.samples}
         scheduler.commit(rows, tokens, eos_token_ids=frozenset())
         if guess is not None:
             foreseen += 1
             assert scheduler.schedule() == guess
-    assert foreseen >= 5, "steady decode steps are foreseen"
+    assert foreseen >= 5 and crossing >= 2, "steady decode steps are foreseen, page crossings too"
+    assert alloc.free_pages == 40
 
 
 def test_eos_makes_the_guess_wrong_and_waiting_requests_stop_guessing():
@@ -64,7 +73,8 @@ def model():
 
 CASES = {
     "greedy": dict(engine=dict(num_pages=64, page_size=4), run={}),
-    "eos": dict(engine=dict(num_pages=64, page_size=4), run=dict(eos=True)),
+    "eos": dict(engine=dict(num_pages=64, page_size=4), run=dict(eos=3)),
+    "eos ends the run": dict(engine=dict(num_pages=64, page_size=4), run=dict(eos=0, only=0)),
     "sampling": dict(engine=dict(num_pages=64, page_size=8),
                      run=dict(sampling=SamplingParams(temperature=1.0, top_k=40, seed=3))),
     "tight pool, chunks": dict(engine=dict(num_pages=8, page_size=8, max_tokens_per_step=6),
@@ -75,19 +85,31 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_overlap_planning_gives_the_same_tokens(model, case):
     spec = CASES[case]
+    prompts, new = PROMPTS, NEW
+    if "only" in spec["run"]:
+        prompts, new = [PROMPTS[spec["run"]["only"]]], NEW[spec["run"]["only"]]
     eos = ()
-    if spec["run"].get("eos"):
+    if "eos" in spec["run"]:  # a token of one request's stream, which stops it (and maybe others)
         plain = Engine(model, **spec["engine"]).run(PROMPTS, NEW)
-        eos = (plain[3].token_ids[4],)  # stops request 3 early, and maybe others
+        eos = (plain[spec["run"]["eos"]].token_ids[4],)
     sampling = spec["run"].get("sampling", SamplingParams())
     runs = {}
     for overlap in (False, True):
         engine = Engine(model, **spec["engine"], overlap_planning=overlap)
-        results = engine.run(PROMPTS, NEW, sampling, eos)
-        runs[overlap] = ([(r.token_ids, r.finish_reason) for r in results],
-                         engine.planned_ahead_steps, engine.allocator.free_pages)
-    assert runs[True][0] == runs[False][0]
-    assert runs[False][1] == 0 and runs[True][1] > 0, "steps launched from a plan made ahead"
-    assert runs[True][2] == runs[False][2] == spec["engine"]["num_pages"]
+        for _ in range(2):  # a second run on the same engine: nothing left over from the first
+            results = engine.run(prompts, new, sampling, eos)
+            runs.setdefault(overlap, []).append(
+                [(r.token_ids, r.finish_reason) for r in results])
+        assert engine.allocator.free_pages == spec["engine"]["num_pages"]
+        counts = (engine.planned_ahead_steps, engine.launched_ahead_steps)
+        if not overlap:
+            assert counts == (0, 0)
+        elif sampling.greedy:
+            assert counts[1] > 0 and counts[1] == counts[0], "planned ahead and launched at once"
+        else:
+            assert counts[0] > 0 and counts[1] == 0, "host sampling: planned ahead only"
+    assert runs[True] == runs[False] and runs[True][0] == runs[True][1]
     if eos:
         assert any(reason == "eos" for _, reason in runs[True][0])
+    if case == "eos ends the run":
+        assert all(reason == "eos" for _, reason in runs[True][0])

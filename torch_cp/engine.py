@@ -28,9 +28,9 @@ from torch_cp.requests import (
     normalize_prompts,
     vocab_size,
 )
-from torch_cp.sampling import SamplingParams, sample
+from torch_cp.sampling import SamplingParams, greedy_tokens, sample
 from torch_cp.scheduler import Request, Row, Scheduler, StepRefused
-from torch_cp.steps import PlannedStep, StepLauncher, row_key
+from torch_cp.steps import LaunchedStep, PlannedStep, StepLauncher, row_key
 
 DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_PAGE_SIZE = 16
@@ -69,8 +69,11 @@ class Engine:
         compile: capture ``torch.compile(model.forward, fullgraph=True)`` instead of the eager
             forward (fuses the model's small kernels; needs ``cuda_graphs``).
         overlap_planning: while a decode step runs on the device, plan the next one on the host
-            for the rows it will have unless a request stops at EOS (re-planned if one does).
-            Tokens are the same either way.
+            for the rows it will have unless a request stops at EOS and, with greedy sampling,
+            launch it at once, fed this step's tokens on the device; the host then takes this
+            step's tokens while the next one runs. A request that stopped at EOS has its row
+            in that next step dropped; any other wrong guess is re-planned. Tokens are the same
+            either way.
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
@@ -106,7 +109,9 @@ class Engine:
         self.steps = 0
         self.replayed_steps = 0
         self.planned_ahead_steps = 0  # steps launched from a plan made during the previous one
-        self._ahead: PlannedStep | None = None
+        self.launched_ahead_steps = 0  # ... and launched before its tokens reached the host
+        self._ahead: PlannedStep | None = None  # planned, launched after the host samples
+        self._inflight: LaunchedStep | None = None  # launched, not yet committed
         self.runner = None
         if cuda_graphs:
             from torch_cp.graphs import CUDAGraphRunner, default_buckets
@@ -133,7 +138,7 @@ class Engine:
         if len(news) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(news)} entries for {len(prompts)} prompts")
         vocab = vocab_size(self.model)
-        self._ahead = None  # request indices restart with every run
+        self._ahead = self._inflight = None  # request indices restart with every run
         results: dict[int, Result] = {}
         scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
         capacity = self.allocator.num_pages * self.page_size
@@ -160,19 +165,41 @@ class Engine:
                                                      "error", error=error)
                 for request in [r for r, _ in finished] + [r for r, _ in failed]:
                     bar.total -= request.max_new_tokens - len(request.generated)  # stopped early
+        if self._inflight is not None:  # launched for requests that then stopped at EOS
+            self._inflight.host_ids()
+            self._inflight = None
         assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
         return [results[i] for i in range(len(prompts))]
 
     def _step(self, scheduler: Scheduler, sampling: SamplingParams, generators, eos):
-        """Run one step, retrying smaller when the backend refuses it.
+        """Finish one step: the one launched ahead during the previous step, else the
+        scheduler's next (retried smaller when the backend refuses it). With
+        ``overlap_planning`` the step after it is planned, and with greedy sampling launched,
+        before this step's tokens are awaited.
 
         Returns (tokens sampled, finished requests with their reason, failed requests with why).
         """
+        current, self._inflight = self._inflight, None
+        if current is None:
+            current, failed = self._launch_scheduled(scheduler, sampling)
+            if failed:
+                return 0, [], failed
+        if self.overlap_planning:
+            self._overlap(current, scheduler, sampling)
+        tokens = self._tokens(current, sampling, generators)
+        self.steps += 1
+        # A step launched ahead may hold rows of requests that stopped at EOS meanwhile.
+        rows = [r for r in current.rows if r.request in scheduler.running]
+        tokens = {i: t for i, t in tokens.items() if i in scheduler.running}
+        return len(tokens), scheduler.commit(rows, tokens, eos), []
+
+    def _launch_scheduled(self, scheduler: Scheduler, sampling: SamplingParams):
+        """Plan and launch the scheduler's next step: (launched step, []) or (None, failures)."""
         rows = scheduler.schedule()
         assert rows, "a scheduler with running or waiting requests always has a row"
         while True:
             try:
-                tokens = self._forward(rows, scheduler, sampling, generators)
+                step = self._planned(rows)
                 break
             except StepRefused as refusal:
                 if len(rows) > 1:
@@ -181,55 +208,76 @@ class Engine:
                     rows = scheduler.schedule(max_rows=1, max_tokens=rows[0].length // 2)
                 else:
                     request = scheduler.abort(rows[0].request)
-                    return 0, [], [(request, f"the attention backend refused even one token: "
-                                          f"{refusal}")]
-        self.steps += 1
-        return len(tokens), scheduler.commit(rows, tokens, eos), []
-
-    def _forward(self, rows: list[Row], scheduler: Scheduler, sampling: SamplingParams,
-                 generators) -> dict[int, int]:
-        """One model step over ``rows``; returns the sampled token of each sampling row."""
+                    return None, [(request, f"the attention backend refused even one token: "
+                                            f"{refusal}")]
         requests = [scheduler.running[r.request] for r in rows]
         ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
-        sampled = [b for b, r in enumerate(rows) if r.samples]
+        return self._launch(step, rows, ids, sampling), []
+
+    def _planned(self, rows: list[Row]) -> PlannedStep:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.key == row_key(rows):
-            step = ahead
             self.planned_ahead_steps += 1
-        else:
-            step = self._plan(rows)
-        logits = self.launcher.launch(step, ids, sampled)
-        self.replayed_steps += step.bucket is not None
-        if self.overlap_planning:
-            self._ahead = self._plan_ahead(rows, scheduler)
-        if not sampled:
-            return {}
-        device = self.runtime.device
-        gens = None if sampling.greedy else [generators[rows[b].request] for b in sampled]
-        tokens = sample(logits, sampling, gens)
-        if self.broadcast:
-            tokens = _broadcast_from_rank0(tokens, device)
-        return {rows[b].request: int(t) for b, t in zip(sampled, tokens.tolist())}
+            return ahead
+        return self._plan(rows)
 
     def _plan(self, rows: list[Row]) -> PlannedStep:
         return self.launcher.plan(rows, [self.allocator.table_tensor(r.request) for r in rows])
 
-    def _plan_ahead(self, rows: list[Row], scheduler: Scheduler) -> PlannedStep | None:
-        """Plan the step after ``rows`` while they run, if the scheduler can foresee it."""
-        following = scheduler.next_decode_rows(rows)
+    def _launch(self, step: PlannedStep, rows: list[Row], ids, sampling: SamplingParams):
+        sampled = [b for b, r in enumerate(rows) if r.samples]
+        launched = LaunchedStep(rows, sampled, self.launcher.launch(step, ids, sampled))
+        self.replayed_steps += step.bucket is not None
+        if sampled and sampling.greedy:
+            tokens = greedy_tokens(launched.logits)
+            launched.send_ids_home(_broadcast_from_rank0(tokens) if self.broadcast else tokens)
+        return launched
+
+    def _overlap(self, current: LaunchedStep, scheduler: Scheduler, sampling: SamplingParams):
+        """While ``current`` runs, plan the step after it if the scheduler can foresee it, and
+        launch it at once when its input ids are already on the device (greedy sampling)."""
+        live = [r for r in current.rows if r.request in scheduler.running]
+        following = scheduler.next_decode_rows(live)
         if following is None:
-            return None
+            return
         try:
-            return self._plan(following)
+            step = self._plan(following)
         except StepRefused:
-            return None  # planned again (and refused again, then retried smaller) next step
+            return  # planned again (and refused again, then retried smaller) next step
+        if current.device_ids is None:
+            self._ahead = step  # launched once the host has sampled current's tokens
+            return
+        at = {current.rows[b].request: i for i, b in enumerate(current.sampled)}
+        index = [at[r.request] for r in following]
+        ids = current.device_ids
+        if index != list(range(len(ids))):  # some requests end with current's token
+            index_host = torch.tensor(index)
+            if ids.is_cuda:  # pinned, so the copy does not wait for the running step
+                index_host = index_host.pin_memory()
+            ids = ids[index_host.to(ids.device, non_blocking=True)]
+        self._inflight = self._launch(step, following, ids, sampling)
+        self.planned_ahead_steps += 1
+        self.launched_ahead_steps += 1
+
+    def _tokens(self, step: LaunchedStep, sampling: SamplingParams, generators) -> dict[int, int]:
+        """The sampled token of each sampling row of ``step``, on the host."""
+        if not step.sampled:
+            return {}
+        if step.device_ids is not None:
+            ids = step.host_ids()
+        else:
+            rows = [step.rows[b] for b in step.sampled]
+            tokens = sample(step.logits, sampling, [generators[r.request] for r in rows])
+            ids = (_broadcast_from_rank0(tokens) if self.broadcast else tokens).tolist()
+        return {step.rows[b].request: t for b, t in zip(step.sampled, ids)}
 
 
-def _broadcast_from_rank0(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = tokens.to(on)
+def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tokens`` on every rank: on their device under NCCL (stream-ordered, no host
+    sync), else on the host."""
+    t = tokens if dist.get_backend() == "nccl" else tokens.cpu()
     dist.broadcast(t, src=0)
-    return t.cpu()
+    return t
 
 
 def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,

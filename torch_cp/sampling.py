@@ -73,6 +73,11 @@ def filter_logits(logits_bv: torch.Tensor, top_k: int | None, top_p: float | Non
     return out
 
 
+def greedy_tokens(logits_bv: torch.Tensor) -> torch.Tensor:
+    """[B] int64 argmax ids of [B, V] logits, on the logits' device (no host sync)."""
+    return torch.argmax(logits_bv.detach().float(), dim=-1)
+
+
 def sample(logits_bv: torch.Tensor, params: SamplingParams,
            generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
     """Choose one token per row.
@@ -85,7 +90,7 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
         [B] int64 token ids on the host.
     """
     if params.greedy:  # on the logits' device: only B ids cross to the host, not [B, V] logits
-        return torch.argmax(logits_bv.detach().float(), dim=-1).cpu()
+        return greedy_tokens(logits_bv).cpu()
     logits = logits_bv.detach().to(device="cpu", dtype=torch.float32)
     if generators is None or len(generators) != logits.shape[0]:
         raise ValueError("sampling with temperature > 0 needs one generator per row")

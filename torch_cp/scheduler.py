@@ -150,23 +150,23 @@ class Scheduler:
     def next_decode_rows(self, rows: list[Row]) -> list[Row] | None:
         """What ``schedule`` will return after ``rows`` commit, if no request stops at an EOS
         token: every row decodes one more token, less the requests that reach max_new_tokens.
-        ``None`` where that is not certain enough to plan ahead for: requests waiting (admission
-        may add rows), rows that are not decode rows or leave a running request out, or a row
-        that needs a new page (``schedule`` would change its page table)."""
+        Like ``schedule`` it reserves the rows' pages (within the lifetime admission promised;
+        a request that stops at EOS returns them). ``None`` where the next step is not certain
+        enough to plan ahead for: requests waiting (admission may add rows), or rows that are
+        not decode rows or leave a running request out."""
         if self.waiting or len(rows) != len(self.running):
             return None
-        page_size = self.allocator.page_size
         following = []
         for row in rows:
-            request = self.running[row.request]
-            if row.length != 1 or not row.samples or not request.decoding:
+            request = self.running.get(row.request)
+            if request is None or row.length != 1 or not row.samples or not request.decoding:
                 return None
             if len(request.generated) + 1 >= request.max_new_tokens:
                 continue  # this step's token is its last
-            start = row.start + 1
-            if len(self.allocator.table(row.request)) * page_size < start + 1:
-                return None
-            following.append(Row(row.request, start, 1, samples=True))
+            following.append(Row(row.request, row.start + 1, 1, samples=True))
+        for row in following:
+            reserved = self.allocator.reserve(row.request, row.start + 1)
+            assert reserved, "admission promised these pages"
         return following or None
 
     def commit(self, rows: list[Row], new_tokens: dict[int, int],

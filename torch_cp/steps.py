@@ -74,15 +74,22 @@ class StepLauncher:
         self.cache.begin_step(plan)
         return PlannedStep(row_key(rows), plan, None)
 
-    def launch(self, step: PlannedStep, token_ids: Sequence[int],
+    def launch(self, step: PlannedStep, token_ids: Sequence[int] | torch.Tensor,
                logit_rows: Sequence[int]) -> torch.Tensor:
         """Run a planned step: [len(logit_rows), V] logits of those rows' last tokens ([1, V]
-        of row 0 when ``logit_rows`` is empty), computed asynchronously on a GPU."""
+        of row 0 when ``logit_rows`` is empty), computed asynchronously on a GPU.
+
+        ``token_ids``: the step's tokens, row after row, as host ints or as a 1-D tensor on the
+        device (a decode step fed the previous step's sampled ids without a host round trip).
+        """
         assert self.cache.plan is step.plan, "a launch runs the step planned last"
         if step.bucket is not None:
             return self.runner.launch((step.bucket, step.plan), token_ids, logit_rows)
         device = self.runtime.device
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        if isinstance(token_ids, torch.Tensor):
+            input_ids = token_ids.to(device=device, dtype=torch.long).reshape(1, -1)
+        else:
+            input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
         ends = step.plan.qo_indptr_host[1:].to(torch.long) - 1
         keep = ends[list(logit_rows)] if logit_rows else ends[:1]
         with torch.inference_mode():
@@ -91,3 +98,40 @@ class StepLauncher:
                              use_cache=True, logits_to_keep=keep.to(device),
                              **{self._cache_kwarg: self.cache})
         return out.logits[0]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued and whose tokens have not reached the host yet.
+
+    Attributes:
+        rows: the step's rows; ``sampled``: indices of the rows that sample.
+        logits: [len(sampled), V] logits of the sampling rows (computed asynchronously).
+        device_ids: [len(sampled)] greedy token ids on the model's device (rank 0's where
+            ranks broadcast), or None when tokens are sampled on the host.
+    """
+
+    rows: list[Row]
+    sampled: list[int]
+    logits: torch.Tensor
+    device_ids: torch.Tensor | None = None
+    _host_ids: torch.Tensor | None = None
+    _arrived: torch.cuda.Event | None = None
+
+    def send_ids_home(self, ids: torch.Tensor) -> None:
+        """Keep ``ids`` as ``device_ids`` and queue their copy to the host."""
+        self.device_ids = ids
+        if ids.device.type != "cuda":
+            self._host_ids = ids
+            return
+        self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        self._host_ids.copy_(ids, non_blocking=True)
+        self._arrived = torch.cuda.Event()
+        self._arrived.record(torch.cuda.current_stream(ids.device))
+
+    def host_ids(self) -> list[int]:
+        """The greedy ids on the host; waits for this step only, not for steps queued after."""
+        assert self._host_ids is not None, "send_ids_home ran"
+        if self._arrived is not None:
+            self._arrived.synchronize()
+        return self._host_ids.tolist()
