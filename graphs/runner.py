@@ -54,19 +54,15 @@ class CUDAGraphRunner:
         cache: its ``PagedKVCache`` (the pool the graphs write and read).
         buckets: shapes to capture (``default_buckets``).
         max_pages_per_row: the page-table width every bucket is captured with.
-        forward: what to capture in place of ``model`` (e.g. ``torch.compile(model.forward,
-            fullgraph=True)``); called with the model's keyword arguments.
 
     Attributes:
         pad_token_id: the input id of padding tokens (their outputs are never read).
     """
 
-    def __init__(self, model, cache, buckets: Sequence[Bucket], max_pages_per_row: int,
-                 forward=None):
+    def __init__(self, model, cache, buckets: Sequence[Bucket], max_pages_per_row: int):
         if not buckets:
             raise ValueError("CUDAGraphRunner needs at least one bucket")
         self.model = model
-        self.forward = forward or model
         self.cache = cache
         self.buckets = sorted(set(buckets))
         self.width = max_pages_per_row
@@ -88,7 +84,7 @@ class CUDAGraphRunner:
         return bucket.rows * self.width
 
     def _forward(self, c: _Captured) -> torch.Tensor:
-        out = self.forward(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
+        out = self.model(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
                          use_cache=False, logits_to_keep=c.logit_tokens,
                          **{self.cache_kwarg: self.cache})
         return out.logits[0]

@@ -1,9 +1,11 @@
-"""torch.compile(fullgraph=True) of a patched model: the backend kernels are custom ops, the
-exchange is functional collectives, so the whole step traces as one graph; compiled logits
-equal eager logits within fp32 reassociation (1e-4 on O(1-10) logits; observed ~2e-6)."""
+"""torch.compile(fullgraph=True) of a patched model, whole or layer by layer (what
+``Engine(compile=True)`` captures): the backend kernels are custom ops, the exchange is
+functional collectives, so a step traces without breaks; compiled logits equal eager logits
+within fp32 reassociation (1e-4 on O(1-10) logits; observed ~2e-6)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -12,10 +14,12 @@ import torch
 from multirank import run_ranks
 from test_patch_mla import tiny_config as tiny_mla_config
 from test_patch_mla import tiny_model as tiny_mla_model
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import torch_cp
-from torch_cp.attention.ops import pool_layer_tensors
+from torch_cp.attention.ops import pool_tensors
+from torch_cp.graphs import compiled_layers
 from torch_cp.plan import build_step_plan
 
 PAGE = 8
@@ -88,5 +92,50 @@ def test_compiled_step_writes_the_pool_in_place(family):
     eager = _step(model, cache, model.forward, [5], [1], [3], [[0]])
     out, code = run_and_get_code(_step, model, cache, compiled, [5], [1], [3], [[0]])
     torch.testing.assert_close(out, eager, **TOL)  # the compiled write landed where eager's did
-    layer = min(t.numel() for t in pool_layer_tensors(cache.pool, 0))
+    layer = min(t[0].numel() for t in pool_tensors(cache.pool))
     assert _largest_buffer("\n".join(code)) < layer
+
+
+LAYERS = 12
+
+
+def _step_script(model, cache) -> list[torch.Tensor]:
+    """What a capture runs: a 4-row prefill, then decode steps of 4, 2 and 1 rows."""
+    tables = [[2 * r, 2 * r + 1] for r in range(4)]
+    outs = [_step(model, cache, model, list(range(3, 3 + 4 * 5)), [5] * 4, [0] * 4, tables)]
+    for rows in (4, 2, 1):
+        outs.append(_step(model, cache, model, [7] * rows, [1] * rows, [5] * rows, tables[:rows]))
+    return outs
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_compiled_layers_share_their_graphs(family):
+    """Regional compilation (``Engine(compile=True)``) of a 12-layer model: the logits equal
+    eager; the graphs do not grow with the layers (for each kind of layer, DeepSeek's dense and
+    MoE layers differ: the first layer's static shapes, the symbolic layer index, dynamic
+    shapes, and one row specialised), so there is no graph per layer; the pool is written in
+    place; after the block the model runs eagerly again."""
+    if family == "qwen3":
+        model = torch_cp.tiny_qwen3(num_hidden_layers=LAYERS)
+    else:
+        config = tiny_mla_config(family)
+        config.num_hidden_layers = LAYERS
+        model = tiny_mla_model(config)
+    torch_cp.patch_model(model, page_size=PAGE)
+    torch._dynamo.reset()
+    counters.clear()
+    new_cache = functools.partial(torch_cp.PagedKVCache.for_model, model, num_pages=400,
+                                  page_size=PAGE)
+    eager = _step_script(model, new_cache())
+    assert counters["stats"]["unique_graphs"] == 0
+    with compiled_layers(model):
+        compiled, code = run_and_get_code(_step_script, model, new_cache())
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, **TOL)
+    kinds = 1 if family == "qwen3" else 2
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 4 * kinds < LAYERS, f"{graphs} graphs for {LAYERS} layers"
+    layer = min(t[0].numel() for t in pool_tensors(new_cache().pool))
+    assert _largest_buffer("\n".join(code)) < layer
+    _step_script(model, new_cache())
+    assert counters["stats"]["unique_graphs"] == graphs, "eager outside the block"

@@ -4,13 +4,14 @@ and an MLA (DeepSeek-V3 attention) model."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
 import torch
 
 from torch_cp import PagedKVCache, patch_model, tiny_qwen3
-from torch_cp.graphs import CUDAGraphRunner, default_buckets
+from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
 from torch_cp.kv import PageAllocator
 from torch_cp.plan import build_step_plan
 
@@ -44,7 +45,7 @@ class Harness:
     """A patched model, its pool and captured buckets. With ``mesh`` the model is patched for
     context parallelism in ``mode`` (every rank of the mesh builds its own Harness)."""
 
-    def __init__(self, backend: str, dtype: torch.dtype, compile_forward: bool = False,
+    def __init__(self, backend: str, dtype: torch.dtype, compile_layers: bool = False,
                  model: str = "qwen3", mesh=None, mode: str = "tp"):
         self.model = MODELS[model](dtype).cuda()
         patch_model(self.model, context_parallel=mesh is not None, mesh=mesh, mode=mode,
@@ -52,13 +53,11 @@ class Harness:
         self.placement = self.model.torch_cp.placement
         self.cache = PagedKVCache.for_model(self.model, num_pages=64)
         self.alloc = PageAllocator(64, PAGE)
-        forward = (torch.compile(self.model.forward, fullgraph=True) if compile_forward
-                   else None)
-        buckets = (default_buckets(max_rows=2) if compile_forward
+        buckets = (default_buckets(max_rows=2) if compile_layers
                    else default_buckets(max_rows=8, mixed=[(4, 64)]))
-        self.runner = CUDAGraphRunner(self.model, self.cache, buckets, max_pages_per_row=8,
-                                      forward=forward)
-        self.runner.capture()
+        self.runner = CUDAGraphRunner(self.model, self.cache, buckets, max_pages_per_row=8)
+        with compiled_layers(self.model) if compile_layers else contextlib.nullcontext():
+            self.runner.capture()
         self.kwarg = self.runner.cache_kwarg
 
     def eager(self, token_ids, q_lens, ctx_lens, tables, logit_rows):
@@ -142,9 +141,10 @@ def check_replay_and_padding(h: Harness, atol: float) -> None:
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_compiled_model_is_captured_and_replays_like_eager(model):
-    """torch.compile(fullgraph=True) of the patched model, then captured per bucket."""
+    """Every decoder layer compiled (``compiled_layers``, as ``Engine(compile=True)``), then
+    captured per bucket."""
     h = Harness("flashinfer" if len(BACKENDS) > 1 else "torch",
-                BACKENDS[-1][1], compile_forward=True, model=model)
+                BACKENDS[-1][1], compile_layers=True, model=model)
     atol = BACKENDS[-1][2]
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 30)]

@@ -11,6 +11,7 @@ the schedulers; with the same seed, sampling itself is also identical on every r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -66,8 +67,9 @@ class Engine:
         max_pages_per_row: page-table width of the captured buckets (default: the whole pool);
             a step with a longer row runs eagerly.
         mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
-        compile: capture ``torch.compile(model.forward, fullgraph=True)`` instead of the eager
-            forward (fuses the model's small kernels; needs ``cuda_graphs``).
+        compile: capture the steps with every decoder layer compiled (``torch.compile``,
+            fullgraph; the layers share their compiled graphs, see ``compiled_layers``): fuses
+            the model's small kernels. Needs ``cuda_graphs``.
         overlap_planning: while a decode step runs on the device, plan the next one on the host
             for the rows it will have unless a request stops at EOS and, with greedy sampling,
             launch it at once, fed this step's tokens on the device; the host then takes this
@@ -114,14 +116,14 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # launched, not yet committed
         self.runner = None
         if cuda_graphs:
-            from torch_cp.graphs import CUDAGraphRunner, default_buckets
+            from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
 
             rows = min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS)
-            forward = torch.compile(model.forward, fullgraph=True) if compile else None
             self.runner = CUDAGraphRunner(model, self.cache,
                                           default_buckets(rows, mixed_buckets),
-                                          max_pages_per_row or num_pages, forward=forward)
-            self.runner.capture()
+                                          max_pages_per_row or num_pages)
+            with compiled_layers(model) if compile else contextlib.nullcontext():
+                self.runner.capture()
         self.launcher = StepLauncher(model, self.cache, self.runner)
 
     @property

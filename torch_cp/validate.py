@@ -39,9 +39,14 @@ def attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
     return sorted(found, key=lambda m: m.layer_idx)
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (modules with ``self_attn`` and ``mlp``), in module order."""
+    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+
+
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's MLP or MoE block (a module with ``self_attn`` and ``mlp``)."""
-    return [m.mlp for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    """Each decoder layer's MLP or MoE block."""
+    return [m.mlp for m in decoder_layers(model)]
 
 
 def _model_dtype_device(model: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:

@@ -3,8 +3,9 @@ with known output shapes (the fake implementations) while the exchange and merge
 trace as ordinary torch code.
 
 A backend is stateful (it was planned for the step on the host), so the ops take an integer
-handle to it. The layer's pool tensors are inputs of the ops, which orders them after the
-step's pool write in a compiled graph.
+handle to it. The pool's tensors are inputs of the ops, which orders them after the step's pool
+write in a compiled graph; they are the whole pool with the layer's index, not a view of the
+layer, so compiled decoder layers can share one graph (``torch_cp.graphs.compile``).
 """
 
 from __future__ import annotations
@@ -27,18 +28,20 @@ def register_backend(backend: AttentionBackend) -> int:
 
 
 class _LayerTensors:
-    """Stands in for a pool inside an op: ``layer(i)`` gives the tensors the op received."""
+    """Stands in for a pool inside an op: ``layer(i)`` as the pool's own (``pool_tensors``)."""
 
     def __init__(self, caches: list[torch.Tensor]):
         self.caches = caches
 
     def layer(self, layer_idx: int):
-        return self.caches[0] if len(self.caches) == 1 else tuple(self.caches)
+        layer = [c[layer_idx] for c in self.caches]
+        return layer[0] if len(layer) == 1 else tuple(layer)
 
 
-def pool_layer_tensors(pool, layer_idx: int) -> list[torch.Tensor]:
-    layer = pool.layer(layer_idx)
-    return list(layer) if isinstance(layer, tuple) else [layer]
+def pool_tensors(pool) -> list[torch.Tensor]:
+    """The pool's tensors of every layer ([kv], or [ckv, kpe]): what the ops take with a layer
+    index, so a compiled layer holds no per-layer view of the pool (see ``write_layer``)."""
+    return [pool.kv] if hasattr(pool, "kv") else [pool.ckv, pool.kpe]
 
 
 @torch.library.custom_op("torch_cp::context_partial", mutates_args=())

@@ -37,7 +37,7 @@ class GQAPool:
     def write(self, layer_idx: int, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
               write_index: torch.Tensor) -> None:
         """Store new tokens' ``k_nhd``/``v_nhd`` [N, kv_heads, head_dim] at flat physical slots."""
-        write_layer([self.kv[layer_idx]], k_nhd, v_nhd, write_index)
+        write_layer([self.kv], k_nhd, v_nhd, write_index, layer_idx)
 
     @property
     def bytes(self) -> int:
@@ -54,9 +54,11 @@ def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor
 
 
 def write_layer(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
-                write_index: torch.Tensor) -> None:
-    """One layer's write at flat physical slots: GQA ``caches = [kv]`` with ``new_a, new_b = k,
-    v``; MLA ``caches = [ckv, kpe]`` with the new latents and rope keys.
+                write_index: torch.Tensor, layer_idx: int) -> None:
+    """Layer ``layer_idx``'s write at flat physical slots: GQA ``caches = [kv]`` (every layer's
+    pool tensor) with ``new_a, new_b = k, v``; MLA ``caches = [ckv, kpe]`` with the new latents
+    and rope keys. (The whole pool and an index, not a view of the layer: see
+    ``torch_cp.graphs.compile``.)
 
     Traced by torch.compile it is the custom op ``torch_cp::write_kv``, which declares the
     mutation, so the compiled step writes the pool in place (traced as plain indexing,
@@ -65,13 +67,14 @@ def write_layer(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Te
     the development machine).
     """
     if torch.compiler.is_compiling():
-        write_kv(caches, new_a, new_b, write_index)
+        write_kv(caches, new_a, new_b, write_index, layer_idx)
     else:
-        _store(caches, new_a, new_b, write_index)
+        _store(caches, new_a, new_b, write_index, layer_idx)
 
 
 def _store(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
-           write_index: torch.Tensor) -> None:
+           write_index: torch.Tensor, layer_idx: int) -> None:
+    caches = [c[layer_idx] for c in caches]
     if len(caches) == 1:
         write_kv_slots(caches[0], new_a, new_b, write_index)
         return
@@ -81,9 +84,9 @@ def _store(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
 
 @torch.library.custom_op("torch_cp::write_kv", mutates_args=("caches",))
 def write_kv(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
-             write_index: torch.Tensor) -> None:
+             write_index: torch.Tensor, layer_idx: int) -> None:
     """``write_layer`` as an op that mutates ``caches`` (what torch.compile sees)."""
-    _store(caches, new_a, new_b, write_index)
+    _store(caches, new_a, new_b, write_index, layer_idx)
 
 
 class MLAPool:
@@ -109,7 +112,7 @@ class MLAPool:
               write_index: torch.Tensor) -> None:
         """Store new tokens' latent ``ckv_nd`` [N, kv_lora_rank] and rope key ``kpe_nd``
         [N, rope] at flat physical slots."""
-        write_layer([self.ckv[layer_idx], self.kpe[layer_idx]], ckv_nd, kpe_nd, write_index)
+        write_layer([self.ckv, self.kpe], ckv_nd, kpe_nd, write_index, layer_idx)
 
     @property
     def bytes(self) -> int:

@@ -1,0 +1,45 @@
+"""Regional compilation of a patched model for the captured steps.
+
+``torch.compile`` of the whole model unrolls every decoder layer into one graph, and Inductor
+compiles each copy: 72 s for Qwen3-8B's 36 layers and over 150 s for the 8B MLA model on the
+H200, most of ``Engine(compile=True)``'s set-up. Compiling each decoder layer instead lets the
+layers share their compiled graphs (one for the static first shape, one with dynamic shapes, and
+a second pair where a model mixes two kinds of layer, as DeepSeek's dense and MoE layers).
+
+Two things make the layers share: the layer index, an int attribute that Dynamo would otherwise
+specialise on (one graph per layer), is traced as a symbol (``allow_unspec_int_on_nn_module``);
+and the pool ops take the whole pool with that index (``write_kv``, ``context_partial``), so no
+graph holds a view of the pool picked by a symbolic index (with such a view, Inductor's
+re-inplacing gave wrong logits in torch 2.13).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from torch_cp.validate import decoder_layers
+
+# Graphs the capture may compile: two or four as above, and one more per kind of step shape that
+# Dynamo specialises (a size of 1, a mixed bucket); the default limit of 8 would fall back to
+# failing the capture.
+RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def compiled_layers(model) -> Iterator[None]:
+    """Within the block, every decoder layer of ``model`` runs as ``torch.compile(layer,
+    fullgraph=True)``; after it, eagerly again (so eager steps, e.g. prefills that no bucket
+    fits, do not compile). Capture CUDA graphs inside it: they keep the compiled kernels."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(fullgraph=True)
+    try:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
+                                        recompile_limit=RECOMPILE_LIMIT):
+            yield
+    finally:
+        for layer in layers:
+            layer._compiled_call_impl = None  # what nn.Module.compile set: eager again
