@@ -108,6 +108,16 @@ def _step_script(model, cache) -> list[torch.Tensor]:
     return outs
 
 
+def _deep_model(family: str, seed: int = 0):
+    if family == "qwen3":
+        model = torch_cp.tiny_qwen3(num_hidden_layers=LAYERS, seed=seed)
+    else:
+        config = tiny_mla_config(family)
+        config.num_hidden_layers = LAYERS
+        model = tiny_mla_model(config, seed=seed)
+    return torch_cp.patch_model(model, page_size=PAGE)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_compiled_layers_share_their_graphs(family):
     """Regional compilation (``Engine(compile=True)``) of a 12-layer model: the logits equal
@@ -115,13 +125,7 @@ def test_compiled_layers_share_their_graphs(family):
     MoE layers differ: the first layer's static shapes, the symbolic layer index, dynamic
     shapes, and one row specialised), so there is no graph per layer; the pool is written in
     place; after the block the model runs eagerly again."""
-    if family == "qwen3":
-        model = torch_cp.tiny_qwen3(num_hidden_layers=LAYERS)
-    else:
-        config = tiny_mla_config(family)
-        config.num_hidden_layers = LAYERS
-        model = tiny_mla_model(config)
-    torch_cp.patch_model(model, page_size=PAGE)
+    model = _deep_model(family)
     torch._dynamo.reset()
     counters.clear()
     new_cache = functools.partial(torch_cp.PagedKVCache.for_model, model, num_pages=400,
@@ -139,3 +143,11 @@ def test_compiled_layers_share_their_graphs(family):
     assert _largest_buffer("\n".join(code)) < layer
     _step_script(model, new_cache())
     assert counters["stats"]["unique_graphs"] == graphs, "eager outside the block"
+    # A second model in the same process (another backend, so another handle in the ops):
+    # the compiled layers serve it too, without tracing anything from the first model's backend.
+    other = _deep_model(family, seed=1)
+    expected = _step_script(other, torch_cp.PagedKVCache.for_model(other, 400, PAGE))
+    with compiled_layers(other):
+        got = _step_script(other, torch_cp.PagedKVCache.for_model(other, 400, PAGE))
+    for e, c in zip(expected, got):
+        torch.testing.assert_close(c, e, **TOL)

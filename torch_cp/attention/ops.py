@@ -52,9 +52,11 @@ def context_partial(q: torch.Tensor, caches: list[torch.Tensor], handle: int,
     return out.contiguous(), lse.contiguous()
 
 
+# The fakes take Dv from the tensors, never from the backend: under regional compilation the
+# handle is traced as a symbol once a second model's layers run the shared graphs.
 @context_partial.register_fake
 def _(q, caches, handle, layer_idx):
-    return _fake_partial(q, handle)
+    return _fake_partial(q, caches[0].shape[-1])  # GQA kv [..., D]; MLA ckv [..., R]
 
 
 @torch.library.custom_op("torch_cp::own_partial", mutates_args=())
@@ -67,10 +69,9 @@ def own_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @own_partial.register_fake
 def _(q, k, v, handle):
-    return _fake_partial(q, handle)
+    return _fake_partial(q, v.shape[-1] if k.dim() == 3 else k.shape[-1])  # MLA: k = ckv [N, R]
 
 
-def _fake_partial(q: torch.Tensor, handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_partial(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
     n, h, _ = q.shape
-    dv = _BACKENDS[handle].geometry.head_dim_v
     return q.new_empty(n, h, dv), q.new_empty(n, h, dtype=torch.float32)
