@@ -7,7 +7,8 @@ rows at ``--context`` tokens (pool of zeros), and then times the phases of
 ``CUDAGraphRunner.prepare`` + ``launch`` on the host (prepare, and inside it the plan, the load
 into the static plan and the backend plan; launch; the wait for the replay; the token to the
 host); the replay alone back to back (GPU time of the graph); and lists the graph's kernels by
-CUDA time (torch.profiler).
+CUDA time (torch.profiler). Last, ``engine.run`` with ``overlap_planning`` under the profiler:
+how long the GPU idles per decode step and which host CUDA calls wait.
 """
 
 from __future__ import annotations
@@ -85,6 +86,44 @@ def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], f
     return rows[:top], total, calls
 
 
+def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48) -> dict:
+    """``engine.run`` with ``overlap_planning`` under torch.profiler: per decode step, the GPU's
+    idle time (no kernel or copy running) and the host's CUDA runtime calls (ms per step; a
+    ``cudaEventSynchronize`` is the host waiting for a step's tokens)."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    for row in range(batch):
+        engine.allocator.release(row)
+    engine.overlap_planning = True
+    prompts = [[1] * context] * batch
+    engine.run(prompts, 8, eos_token_ids=())
+    steps_before, ahead_before = engine.steps, engine.launched_ahead_steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.run(prompts, new_tokens, eos_token_ids=())
+        torch.cuda.synchronize(device)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    # The decode steps: the last 3/4 of the GPU's activity (the prefill comes first).
+    first, last = spans[0][0], max(end for _, end in spans)
+    window = first + (last - first) // 4
+    idle, cursor, gaps = 0, window, []
+    for start, end in spans:
+        if end <= window:
+            continue
+        if start > cursor:
+            idle += start - cursor
+            gaps.append(start - cursor)
+        cursor = max(cursor, end)
+    decode_steps = (new_tokens - 1) * 3 / 4
+    steps = engine.steps - steps_before
+    waits = {e.key: round(e.cpu_time_total / 1e3 / steps, 4) for e in prof.key_averages()
+             if e.key.startswith("cuda") and e.cpu_time_total / 1e3 / steps > 0.02}
+    return dict(new_tokens=new_tokens, launched_ahead=engine.launched_ahead_steps - ahead_before,
+                gpu_idle_us_per_step=idle / decode_steps,
+                gaps_over_50us_per_step=sum(g > 50 for g in gaps) / decode_steps,
+                largest_gaps_us=sorted(gaps)[-5:], host_waits_ms_per_step=waits)
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -117,10 +156,11 @@ def main() -> None:
     replay_ms = time_ms(graph.replay, device, iters=args.iters)
     top, kernel_ms, calls = kernels(graph, device)
     step_ms = sum(host[k] for k in ("prepare", "launch", "wait", "token"))
+    gaps = engine_gaps(engine, device, args.batch, args.context)
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
                compiled=args.compile, setup_s=setup_s, host_phases_ms=host, step_ms=step_ms,
                replay_only_ms=replay_ms, kernel_ms=kernel_ms, kernels_per_step=calls,
-               top_kernels=top)
+               engine_overlap=gaps, top_kernels=top)
     print(json.dumps({k: v for k, v in out.items() if k != "top_kernels"}, indent=1))
     for r in top:
         print(f"{r['ms_per_step']:8.3f} ms {r['calls_per_step']:6.0f}x  {r['kernel']}")
