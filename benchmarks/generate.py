@@ -9,7 +9,7 @@ each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EO
   ``torch_cp_overlap``: the same with ``overlap_planning=True`` (the next decode step planned
   and launched, fed this step's tokens on the device, while this one runs; a step's time is
   stamped when its tokens reach the host); ``torch_cp_compiled``: with ``compile=True`` as
-  well (the captured step is ``torch.compile(model.forward, fullgraph=True)``);
+  well (the captured step runs compiled decoder layers, ``graphs.compiled_layers``);
 - ``hf_static``: ``model.generate`` with the static cache, compiled by transformers' default
   CompileConfig (a warm-up call per shape first, which includes the compile);
 - ``hf_dynamic``: ``model.generate`` with the dynamic cache, eager;

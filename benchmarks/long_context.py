@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--reserve-gib", type=float, default=6.0)
     parser.add_argument("--backend", default=None)
     parser.add_argument("--compile", action="store_true",
-                        help="capture torch.compile(model.forward) (Engine(compile=True))")
+                        help="capture compiled decoder layers (Engine(compile=True))")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     args = parser.parse_args()
     args.contexts = [int(c) for c in (args.contexts or (

@@ -95,12 +95,13 @@ def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48) 
     for row in range(batch):
         engine.allocator.release(row)
     engine.overlap_planning = True
-    prompts = [[1] * context] * batch
+    prompts = [[1] * (context - new_tokens)] * batch  # the pool holds `context` tokens a row
     engine.run(prompts, 8, eos_token_ids=())
     steps_before, ahead_before = engine.steps, engine.launched_ahead_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.run(prompts, new_tokens, eos_token_ids=())
+        results = engine.run(prompts, new_tokens, eos_token_ids=())
         torch.cuda.synchronize(device)
+    assert all(r.ok for r in results), [r.error for r in results]
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == DeviceType.CUDA)
     # The decode steps: the last 3/4 of the GPU's activity (the prefill comes first).
