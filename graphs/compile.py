@@ -1,10 +1,12 @@
 """Regional compilation of a patched model for the captured steps.
 
 ``torch.compile`` of the whole model unrolls every decoder layer into one graph, and Inductor
-compiles each copy: 72 s for Qwen3-8B's 36 layers and over 150 s for the 8B MLA model on the
-H200, most of ``Engine(compile=True)``'s set-up. Compiling each decoder layer instead lets the
-layers share their compiled graphs (one for the static first shape, one with dynamic shapes, and
-a second pair where a model mixes two kinds of layer, as DeepSeek's dense and MoE layers).
+compiles each copy: an engine for Qwen3-8B's 36 layers took 130 s to set up on the H200, one
+for the 8B MLA model more than 150 s. Compiling each decoder layer instead lets the layers share
+their compiled graphs (the first layer's static shapes, the symbolic layer index, dynamic
+shapes, one row specialised: at most four, twice where a model mixes two kinds of layer, as
+DeepSeek's dense and MoE layers), and both engines are ready in 15 s (BENCHMARKS.md, runs
+20-22).
 
 Two things make the layers share: the layer index, an int attribute that Dynamo would otherwise
 specialise on (one graph per layer), is traced as a symbol (``allow_unspec_int_on_nn_module``);
@@ -22,9 +24,8 @@ import torch
 
 from torch_cp.validate import decoder_layers
 
-# Graphs the capture may compile: two or four as above, and one more per kind of step shape that
-# Dynamo specialises (a size of 1, a mixed bucket); the default limit of 8 would fall back to
-# failing the capture.
+# Graphs the capture may compile: up to eight as above, and more for mixed buckets; Dynamo's
+# default limit of 8 would fail the capture.
 RECOMPILE_LIMIT = 64
 
 
