@@ -5,6 +5,8 @@ overlap, whether the guess holds, a request stops at EOS (its row of the step la
 dropped) or every request stops at once (the step launched ahead is drained)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torch_cp
 from torch_cp.engine import Engine
@@ -64,6 +66,50 @@ def test_eos_makes_the_guess_wrong_and_waiting_requests_stop_guessing():
     assert [r.index for r in scheduler.waiting] == [2]
     assert [(r.request, r.length) for r in rows] == [(1, 1)], "a plain decode step"
     assert scheduler.next_decode_rows(rows) is None
+
+
+def _drive(requests, num_pages: int, page_size: int, eos_after: dict[int, int], ahead: bool):
+    """The engine's protocol on the scheduler alone: each step's rows are the ones launched
+    ahead during the previous step when there are any (``Engine._overlap``), else
+    ``schedule()``; a request's token stream is fixed, EOS after ``eos_after[i]`` tokens.
+    Returns each request's tokens and finish reason; checks the pages at every step."""
+    alloc = PageAllocator(num_pages, page_size)
+    scheduler = Scheduler(alloc, max_tokens_per_step=7)
+    for index, (prompt, new) in enumerate(requests):
+        scheduler.add(Request(index, [1] * prompt, new))
+    ended, inflight = {}, None
+    while not scheduler.done:
+        current, inflight = inflight or scheduler.schedule(), None
+        live = [r for r in current if r.request in scheduler.running]
+        if ahead:
+            inflight = scheduler.next_decode_rows(live)
+        tokens = {r.request: 9 if len(scheduler.running[r.request].generated) + 1
+                  == eos_after.get(r.request) else 5 for r in live if r.samples}
+        for request, reason in scheduler.commit(live, tokens, frozenset({9})):
+            ended[request.index] = (tuple(request.generated), reason)
+        held = sum(len(alloc.table(i)) for i in scheduler.running)
+        assert held + alloc.free_pages == num_pages, "no page lost or held twice"
+        for request in scheduler.running.values():
+            held = len(alloc.table(request.index))
+            assert held <= alloc.pages_for(request.lifetime_tokens), "within the promise"
+            assert held * page_size >= request.cached
+    assert alloc.free_pages == num_pages
+    return ended
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 9)), min_size=1,
+                         max_size=5),
+       eos=st.lists(st.integers(1, 9), min_size=5, max_size=5), spare=st.integers(0, 6))
+def test_launching_ahead_ends_every_request_as_without_it(requests, eos, spare):
+    """Random prompts, lengths, EOS positions and pool sizes (some requests wait): launching
+    ahead gives every request the tokens and finish reason it gets without, never loses or
+    double-holds a page, never takes more than admission promised, and returns every page."""
+    page_size = 4
+    need = max(-(-(p + n - 1) // page_size) for p, n in requests)
+    eos_after = dict(enumerate(eos))
+    plain = _drive(requests, need + spare, page_size, eos_after, ahead=False)
+    assert _drive(requests, need + spare, page_size, eos_after, ahead=True) == plain
 
 
 @pytest.fixture(scope="module")
