@@ -18,7 +18,6 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import torch_cp
-from torch_cp.attention.ops import pool_tensors
 from torch_cp.graphs import compiled_layers
 from torch_cp.plan import build_step_plan
 
@@ -92,7 +91,7 @@ def test_compiled_step_writes_the_pool_in_place(family):
     eager = _step(model, cache, model.forward, [5], [1], [3], [[0]])
     out, code = run_and_get_code(_step, model, cache, compiled, [5], [1], [3], [[0]])
     torch.testing.assert_close(out, eager, **TOL)  # the compiled write landed where eager's did
-    layer = min(t[0].numel() for t in pool_tensors(cache.pool))
+    layer = min(t[0].numel() for t in cache.pool.tensors)
     assert _largest_buffer("\n".join(code)) < layer
 
 
@@ -139,7 +138,7 @@ def test_compiled_layers_share_their_graphs(family):
     kinds = 1 if family == "qwen3" else 2
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 4 * kinds < LAYERS, f"{graphs} graphs for {LAYERS} layers"
-    layer = min(t[0].numel() for t in pool_tensors(new_cache().pool))
+    layer = min(t[0].numel() for t in new_cache().pool.tensors)
     assert _largest_buffer("\n".join(code)) < layer
     _step_script(model, new_cache())
     assert counters["stats"]["unique_graphs"] == graphs, "eager outside the block"

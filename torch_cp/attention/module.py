@@ -11,7 +11,6 @@ from torch_cp.attention.merge import partner_merge
 from torch_cp.attention.ops import (
     context_partial,
     own_partial,
-    pool_tensors,
     register_backend,
 )
 from torch_cp.attention.partial import Partial, merge_two
@@ -52,7 +51,7 @@ class ContextParallelAttention(nn.Module):
         placement = self.exchange.placement
         tp_mode = placement.size > 1 and placement.mode == "tp"
         q_context = self.exchange.gather_heads(q) if tp_mode else q
-        partial = Partial(*context_partial(q_context, pool_tensors(pool),
+        partial = Partial(*context_partial(q_context, pool.tensors,
                                            self.handle, self.layer_idx))
         if placement.size > 1:
             exchanged = (self.exchange.return_partials(partial) if tp_mode

@@ -28,7 +28,8 @@ def register_backend(backend: AttentionBackend) -> int:
 
 
 class _LayerTensors:
-    """Stands in for a pool inside an op: ``layer(i)`` as the pool's own (``pool_tensors``)."""
+    """Stands in for a pool inside an op that received ``pool.tensors``: ``layer(i)`` as the
+    pool's own."""
 
     def __init__(self, caches: list[torch.Tensor]):
         self.caches = caches
@@ -36,12 +37,6 @@ class _LayerTensors:
     def layer(self, layer_idx: int):
         layer = [c[layer_idx] for c in self.caches]
         return layer[0] if len(layer) == 1 else tuple(layer)
-
-
-def pool_tensors(pool) -> list[torch.Tensor]:
-    """The pool's tensors of every layer ([kv], or [ckv, kpe]): what the ops take with a layer
-    index, so a compiled layer holds no per-layer view of the pool (see ``write_layer``)."""
-    return [pool.kv] if hasattr(pool, "kv") else [pool.ckv, pool.kpe]
 
 
 @torch.library.custom_op("torch_cp::context_partial", mutates_args=())

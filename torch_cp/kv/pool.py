@@ -31,17 +31,26 @@ class GQAPool:
         self.kv = torch.zeros(num_layers, num_pages + 1, 2, self.local_page_size, kv_heads,
                               head_dim, dtype=dtype, device=device)
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's pool tensors: ``[kv]``."""
+        return [self.kv]
+
     def layer(self, layer_idx: int) -> torch.Tensor:
         return self.kv[layer_idx]
 
     def write(self, layer_idx: int, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
               write_index: torch.Tensor) -> None:
         """Store new tokens' ``k_nhd``/``v_nhd`` [N, kv_heads, head_dim] at flat physical slots."""
-        write_layer([self.kv], k_nhd, v_nhd, write_index, layer_idx)
+        write_layer(self.tensors, k_nhd, v_nhd, write_index, layer_idx)
 
     @property
     def bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return _bytes(self.tensors)
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
@@ -105,6 +114,11 @@ class MLAPool:
         self.ckv = torch.zeros(*shape, kv_lora_rank, dtype=dtype, device=device)
         self.kpe = torch.zeros(*shape, rope_dim, dtype=dtype, device=device)
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's pool tensors: ``[ckv, kpe]``."""
+        return [self.ckv, self.kpe]
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ckv[layer_idx], self.kpe[layer_idx]
 
@@ -112,8 +126,8 @@ class MLAPool:
               write_index: torch.Tensor) -> None:
         """Store new tokens' latent ``ckv_nd`` [N, kv_lora_rank] and rope key ``kpe_nd``
         [N, rope] at flat physical slots."""
-        write_layer([self.ckv, self.kpe], ckv_nd, kpe_nd, write_index, layer_idx)
+        write_layer(self.tensors, ckv_nd, kpe_nd, write_index, layer_idx)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ckv, self.kpe))
+        return _bytes(self.tensors)
