@@ -40,9 +40,9 @@ def _steps(engine):
     begin = engine.cache.begin_step
 
     def spy(plan):
+        begin(plan)  # a refused step is not recorded
         seen.append((plan.q_lens.tolist(), plan.ctx_lens.tolist()))
         live.append(engine.allocator.live_requests)
-        begin(plan)
     engine.cache.begin_step = spy
     return seen, live
 
@@ -141,6 +141,33 @@ def test_refused_steps_are_retried_smaller(model, reference):
     assert engine.allocator.free_pages == 16
 
 
+def test_a_refused_prefill_shrinks_its_chunks_and_keeps_every_decode_row(model):
+    """A cap on a step's tokens (as FlashInfer MLA's planner caps its work items) shrinks the
+    prefill chunks; every step holds every decoding request and some prefill while prompts wait.
+    Cutting rows instead dropped the prefill rows (last in a step) until the decoding requests
+    finished: the FlashInfer MLA model at 32 x 4096 took 257 steps for 128 tokens."""
+    engine = Engine(model, num_pages=16, page_size=16, max_tokens_per_step=256)
+    prompts = [[(11 * i + j) % 300 + 1 for j in range(10)] for i in range(6)]
+    unrefused = engine.run(prompts, 6)
+    steps, launch = [], engine._launch
+    engine._launch = lambda step, rows, *a: steps.append(rows) or launch(step, rows, *a)
+    with refusing(model, lambda plan: "too many" if plan.num_tokens > 25 else None) as refused:
+        results = engine.run(prompts, 6)
+    del engine._launch
+    assert refused
+    sampled = dict.fromkeys(range(6), 0)
+    for rows in steps:
+        decoding = {i for i, n in sampled.items() if 0 < n < 6}
+        prefilling = {i for i, n in sampled.items() if n == 0}
+        assert decoding <= {r.request for r in rows}
+        assert not prefilling or prefilling & {r.request for r in rows}, "prefill starved"
+        for r in rows:
+            sampled[r.request] += r.samples
+    assert len(steps) <= 5 + 6, "the prefill (60 tokens, 25 a step) overlaps the decode"
+    assert [r.token_ids for r in results] == [r.token_ids for r in unrefused]
+    assert engine.allocator.free_pages == 16
+
+
 def test_a_request_refused_even_alone_fails_and_the_others_complete(model, reference):
     engine = Engine(model, num_pages=16, page_size=16)
     too_long = lambda plan: ("row longer than 25 tokens"
@@ -206,6 +233,21 @@ def test_promised_pages_block_admission_before_they_are_taken():
     rows = s.schedule()
     assert [r.request for r in rows] == [0, 1]
     assert alloc.free_pages == 1 and 2 not in s.running
+
+
+def test_no_more_requests_run_than_max_rows():
+    """Admitted only into a free row: a request admitted beyond ``max_rows`` would hold its
+    pages' promise and wait for a row behind the decoding requests."""
+    alloc = PageAllocator(num_pages=20, page_size=4)
+    s = Scheduler(alloc, max_tokens_per_step=100, max_rows=2)
+    for i in range(3):
+        s.add(_request(i, 3, 2))
+    rows = s.schedule()
+    assert [r.request for r in rows] == [0, 1] and list(s.running) == [0, 1]
+    assert [r.index for r in s.waiting] == [2]
+    s.commit(rows, {0: 7, 1: 7}, frozenset())
+    s.commit(s.schedule(), {0: 7, 1: 7}, frozenset())  # both finish: request 2 gets a row
+    assert [r.request for r in s.schedule()] == [2]
 
 
 def test_chunks_respect_the_budget_and_decode_rows_go_first():

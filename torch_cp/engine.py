@@ -199,19 +199,24 @@ class Engine:
         """Plan and launch the scheduler's next step: (launched step, []) or (None, failures)."""
         rows = scheduler.schedule()
         assert rows, "a scheduler with running or waiting requests always has a row"
+        max_rows = max_tokens = None
         while True:
             try:
                 step = self._planned(rows)
                 break
             except StepRefused as refusal:
-                if len(rows) > 1:
-                    rows = scheduler.schedule(max_rows=len(rows) // 2)
-                elif rows[0].length > 1:
-                    rows = scheduler.schedule(max_rows=1, max_tokens=rows[0].length // 2)
+                # Prefill tokens shrink first: cutting rows would drop the decode rows (first
+                # in a step) and keep the prefill rows out until those requests finish.
+                tokens = sum(r.length for r in rows)
+                if tokens > len(rows):
+                    max_tokens = tokens // 2
+                elif len(rows) > 1:
+                    max_rows = len(rows) // 2
                 else:
                     request = scheduler.abort(rows[0].request)
                     return None, [(request, f"the attention backend refused even one token: "
                                             f"{refusal}")]
+                rows = scheduler.schedule(max_rows=max_rows, max_tokens=max_tokens)
         requests = [scheduler.running[r.request] for r in rows]
         ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
         return self._launch(step, rows, ids, sampling), []

@@ -5,9 +5,10 @@ lengths, so every rank that runs it with the same inputs makes the same decision
 
 Admission is by free pages. A request is admitted when the pool's free pages, less the pages
 already promised to admitted requests for their remaining growth, cover its whole lifetime
-(prompt + max_new_tokens - 1 cached tokens). Pages are then taken as rows grow, so an admitted
-request can always run to its end and nothing ever needs preempting; a request that does not fit
-waits (first come, first served) and none is dropped.
+(prompt + max_new_tokens - 1 cached tokens), and while fewer than ``max_rows`` requests run (so
+every running request has a row in every step the token budget allows). Pages are then taken as
+rows grow, so an admitted request can always run to its end and nothing ever needs preempting; a
+request that does not fit waits (first come, first served) and none is dropped.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class Scheduler:
         allocator: the pool's logical page allocator (request index = allocation id).
         max_tokens_per_step: token budget of a step; a longer prompt is prefilled in chunks
             (extend rows).
-        max_rows: most rows a step may have (``None``: no limit).
+        max_rows: most rows a step may have, and most requests running at once (``None``: no
+            limit).
     """
 
     def __init__(self, allocator: PageAllocator, max_tokens_per_step: int,
@@ -115,7 +117,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         available = self.allocator.free_pages - self._promised_pages()
-        while self.waiting:
+        while self.waiting and (self.max_rows is None or len(self.running) < self.max_rows):
             need = self.allocator.pages_for(self.waiting[0].lifetime_tokens)
             if need > available:
                 break  # first come, first served: no request overtakes the head
