@@ -180,10 +180,13 @@ class FlashInferGQABackend:
         g = self.geometry
         check_bucket(plan, self.graph_bucket, self.graph_max_pages)
         ctx = real_rows_view(plan.context_host, plan.num_rows)
+        # Page ids from the device: FlashInfer copies host ones with a blocking copy, which would
+        # wait for the step launched ahead (the indptrs it reads on the host, pinned).
+        indices = plan.context.indices[: ctx.indices.numel()]
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         if plan.is_decode:
             self._fences["decode"].wait()
-            self._decode.plan(ctx.indptr, ctx.indices, ctx.last_page_len, g.context_q_heads,
+            self._decode.plan(ctx.indptr, indices, ctx.last_page_len, g.context_q_heads,
                               g.kv_heads, g.head_dim, plan.local_page_size, **common)
             self._fences["decode"].mark()
         else:
@@ -191,7 +194,7 @@ class FlashInferGQABackend:
             kv_indptr = torch.cat((ctx.indptr, ctx.indptr[-1:]))
             last = torch.cat((ctx.last_page_len, ctx.last_page_len.new_zeros(1)))
             self._fences["context"].wait()
-            self._context.plan(qo, kv_indptr, ctx.indices, last, g.context_q_heads, g.kv_heads,
+            self._context.plan(qo, kv_indptr, indices, last, g.context_q_heads, g.kv_heads,
                                g.head_dim, plan.local_page_size, causal=False, **common)
             self._fences["context"].mark()
             self._fences["own"].wait()
