@@ -75,14 +75,14 @@ class TorchCP:
         batch, prompt = len(prompts), len(prompts[0])
         # The whole prefill in one step where it fits 64k tokens (as Hugging Face prefills).
         self.engine.max_tokens_per_step = min(batch * prompt, 65536)
-        stamps: list[tuple[float, int]] = []
+        stamps: list[tuple[float, set[int]]] = []
         tokens_of = self.engine._tokens
 
         def timed_tokens(step, *args, **kwargs):
             # Stamped when a step's tokens are on the host; with overlap the next step is
             # already queued on the device, as it is when torch_cp runs untimed.
             out = tokens_of(step, *args, **kwargs)
-            stamps.append((time.perf_counter(), len(step.sampled)))
+            stamps.append((time.perf_counter(), {step.rows[b].request for b in step.sampled}))
             return out
 
         self.engine._tokens = timed_tokens
@@ -100,11 +100,12 @@ class TorchCP:
         if bad:
             raise RuntimeError(f"torch_cp: request {bad[0].index} made {len(bad[0].token_ids)} "
                                f"tokens ({bad[0].finish_reason}, {bad[0].error})")
-        # Every row has its first token at the step where the sampled rows add up to the batch.
-        seen, first = 0, len(stamps) - 1
-        for i, (_, rows) in enumerate(stamps):
-            seen += rows
-            if seen >= batch:
+        # Decode steps are timed from the step that gives the last request its first token: with
+        # a prefill in chunks, the earlier requests' decode steps carry the later prompts' chunks.
+        seen, first = set(), len(stamps) - 1
+        for i, (_, requests) in enumerate(stamps):
+            seen |= requests
+            if len(seen) >= batch:
                 first = i
                 break
         times = [t for t, _ in stamps]
