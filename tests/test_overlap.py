@@ -50,7 +50,7 @@ def test_next_decode_rows_is_what_schedule_returns_next():
     assert alloc.free_pages == 40
 
 
-def test_eos_makes_the_guess_wrong_and_waiting_requests_stop_guessing():
+def test_eos_makes_the_guess_wrong_and_a_request_that_could_enter_stops_guessing():
     alloc = PageAllocator(num_pages=6, page_size=4)
     scheduler = Scheduler(alloc, max_tokens_per_step=64)
     scheduler.add(Request(0, [1, 2], 6))
@@ -65,16 +65,25 @@ def test_eos_makes_the_guess_wrong_and_waiting_requests_stop_guessing():
     rows = scheduler.schedule()
     assert [r.index for r in scheduler.waiting] == [2]
     assert [(r.request, r.length) for r in rows] == [(1, 1)], "a plain decode step"
-    assert scheduler.next_decode_rows(rows) is None
+    steps = 0
+    while (guess := scheduler.next_decode_rows(rows)) is not None:  # request 2 cannot enter
+        scheduler.commit(rows, {1: 5}, frozenset())
+        rows, steps = scheduler.schedule(), steps + 1
+        assert rows == guess and [r.index for r in scheduler.waiting] == [2]
+    # Request 1's last token is this step's: its pages would admit request 2, so no guess.
+    assert steps == 3 and len(scheduler.running[1].generated) == 5
+    scheduler.commit(rows, {1: 5}, frozenset())
+    assert [(r.request, r.length) for r in scheduler.schedule()] == [(2, 17)]
 
 
-def _drive(requests, num_pages: int, page_size: int, eos_after: dict[int, int], ahead: bool):
+def _drive(requests, num_pages: int, page_size: int, eos_after: dict[int, int], ahead: bool,
+           max_rows: int | None = None):
     """The engine's protocol on the scheduler alone: each step's rows are the ones launched
     ahead during the previous step when there are any (``Engine._overlap``), else
     ``schedule()``; a request's token stream is fixed, EOS after ``eos_after[i]`` tokens.
     Returns each request's tokens and finish reason; checks the pages at every step."""
     alloc = PageAllocator(num_pages, page_size)
-    scheduler = Scheduler(alloc, max_tokens_per_step=7)
+    scheduler = Scheduler(alloc, max_tokens_per_step=7, max_rows=max_rows)
     for index, (prompt, new) in enumerate(requests):
         scheduler.add(Request(index, [1] * prompt, new))
     ended, inflight = {}, None
@@ -100,16 +109,18 @@ def _drive(requests, num_pages: int, page_size: int, eos_after: dict[int, int], 
 @settings(max_examples=80, deadline=None)
 @given(requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 9)), min_size=1,
                          max_size=5),
-       eos=st.lists(st.integers(1, 9), min_size=5, max_size=5), spare=st.integers(0, 6))
-def test_launching_ahead_ends_every_request_as_without_it(requests, eos, spare):
-    """Random prompts, lengths, EOS positions and pool sizes (some requests wait): launching
-    ahead gives every request the tokens and finish reason it gets without, never loses or
-    double-holds a page, never takes more than admission promised, and returns every page."""
+       eos=st.lists(st.integers(1, 9), min_size=5, max_size=5), spare=st.integers(0, 6),
+       max_rows=st.sampled_from([None, 1, 2, 3]))
+def test_launching_ahead_ends_every_request_as_without_it(requests, eos, spare, max_rows):
+    """Random prompts, lengths, EOS positions, pool sizes and row caps (some requests wait for
+    pages or a row): launching ahead gives every request the tokens and finish reason it gets
+    without, never loses or double-holds a page, never takes more than admission promised, and
+    returns every page."""
     page_size = 4
     need = max(-(-(p + n - 1) // page_size) for p, n in requests)
     eos_after = dict(enumerate(eos))
-    plain = _drive(requests, need + spare, page_size, eos_after, ahead=False)
-    assert _drive(requests, need + spare, page_size, eos_after, ahead=True) == plain
+    plain = _drive(requests, need + spare, page_size, eos_after, ahead=False, max_rows=max_rows)
+    assert _drive(requests, need + spare, page_size, eos_after, True, max_rows) == plain
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +136,7 @@ CASES = {
                      run=dict(sampling=SamplingParams(temperature=1.0, top_k=40, seed=3))),
     "tight pool, chunks": dict(engine=dict(num_pages=8, page_size=8, max_tokens_per_step=6),
                                run={}),
+    "queue for rows": dict(engine=dict(num_pages=64, page_size=4, max_rows=2), run=dict(eos=1)),
 }
 
 
@@ -152,6 +164,8 @@ def test_overlap_planning_gives_the_same_tokens(model, case):
             assert counts == (0, 0)
         elif sampling.greedy:
             assert counts[1] > 0 and counts[1] == counts[0], "planned ahead and launched at once"
+            if case == "queue for rows":  # also while requests wait for a row (20 of 48 before)
+                assert counts[1] >= 0.7 * engine.steps
         else:
             assert counts[0] > 0 and counts[1] == 0, "host sampling: planned ahead only"
     assert runs[True] == runs[False] and runs[True][0] == runs[True][1]

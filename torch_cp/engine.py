@@ -61,7 +61,7 @@ class Engine:
         num_pages: logical pages of the pool (the sink page is extra).
         page_size: tokens per logical page, a multiple of P (default: the runtime's, else 16).
         max_tokens_per_step: token budget of one step; longer prompts prefill in chunks.
-        max_rows: most rows of one step (``None``: no limit).
+        max_rows: most rows of one step, and most requests running at once (``None``: no limit).
         cuda_graphs: replay decode steps (and any ``mixed_buckets``) from CUDA graphs captured
             once per bucket; steps no bucket fits run eagerly. CUDA only.
         max_pages_per_row: page-table width of the captured buckets (default: the whole pool);

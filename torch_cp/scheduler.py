@@ -115,15 +115,18 @@ class Scheduler:
         a = self.allocator
         return sum(a.missing_pages(r.index, r.lifetime_tokens) for r in self.running.values())
 
+    def _can_admit(self) -> bool:
+        """Whether the head of the queue fits now (first come, first served: no request
+        overtakes it): a free row and the pages of its whole lifetime."""
+        if not self.waiting or (self.max_rows is not None and len(self.running) >= self.max_rows):
+            return False
+        need = self.allocator.pages_for(self.waiting[0].lifetime_tokens)
+        return need <= self.allocator.free_pages - self._promised_pages()
+
     def _admit(self) -> None:
-        available = self.allocator.free_pages - self._promised_pages()
-        while self.waiting and (self.max_rows is None or len(self.running) < self.max_rows):
-            need = self.allocator.pages_for(self.waiting[0].lifetime_tokens)
-            if need > available:
-                break  # first come, first served: no request overtakes the head
+        while self._can_admit():
             request = self.waiting.popleft()
             self.running[request.index] = request
-            available -= need
 
     def schedule(self, max_rows: int | None = None, max_tokens: int | None = None) -> list[Row]:
         """The next step's rows (empty only when nothing is left to run).
@@ -154,9 +157,9 @@ class Scheduler:
         token: every row decodes one more token, less the requests that reach max_new_tokens.
         Like ``schedule`` it reserves the rows' pages (within the lifetime admission promised;
         a request that stops at EOS returns them). ``None`` where the next step is not certain
-        enough to plan ahead for: requests waiting (admission may add rows), or rows that are
-        not decode rows or leave a running request out."""
-        if self.waiting or len(rows) != len(self.running):
+        enough to plan ahead for: a waiting request that could be admitted once ``rows``
+        commit, or rows that are not decode rows or leave a running request out."""
+        if len(rows) != len(self.running) or self._can_admit():
             return None
         following = []
         for row in rows:
@@ -166,6 +169,8 @@ class Scheduler:
             if len(request.generated) + 1 >= request.max_new_tokens:
                 continue  # this step's token is its last
             following.append(Row(row.request, row.start + 1, 1, samples=True))
+        if self.waiting and len(following) < len(rows):
+            return None  # a request ends with this step: its row and pages may admit another
         for row in following:
             reserved = self.allocator.reserve(row.request, row.start + 1)
             assert reserved, "admission promised these pages"
