@@ -58,3 +58,14 @@ def test_long_context_benchmark_at_one_and_two_ranks(tmp_path):
     assert all(r.get("step_ms") for r in rows)
     half = {(r["model"], r["P"]): r["kv_bytes_per_rank_per_token"] for r in rows}
     assert half["qwen3", 2] * 2 == half["qwen3", 1] and half["mla", 2] * 2 == half["mla", 1]
+
+
+def test_prefill_profile_sets_torch_cp_beside_hugging_face(tmp_path):
+    out = tmp_path / "p.json"
+    run(["-m", "benchmarks.prefill_profile", "--smoke", "--model", "mla", "--batch", "2",
+         "--prompt", "16", "--iters", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    for name in ("torch_cp", "hugging_face"):
+        assert data[name]["ms"] > 0 and data[name]["by_kind"]["gemm"] > 0, data[name]
+    assert data["torch_cp"]["steps_per_call"] == 1, "the whole prefill in one step"
+    assert data["same_first_tokens"] == 2, "fp32: both prefills give the same first tokens"

@@ -181,7 +181,8 @@ class FlashInferGQABackend:
         check_bucket(plan, self.graph_bucket, self.graph_max_pages)
         ctx = real_rows_view(plan.context_host, plan.num_rows)
         # Page ids from the device: FlashInfer copies host ones with a blocking copy, which would
-        # wait for the step launched ahead (the indptrs it reads on the host, pinned).
+        # wait for the step launched ahead. The indptrs stay on the host, where its planner reads
+        # them (pinned, so their copies do not wait).
         indices = plan.context.indices[: ctx.indices.numel()]
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         if plan.is_decode:

@@ -1,0 +1,142 @@
+"""Where a prefill goes: torch_cp's engine against the unpatched Hugging Face forward.
+
+    python -m benchmarks.prefill_profile --model qwen3 --batch 16 --prompt 4096
+    python -m benchmarks.prefill_profile --smoke     # CPU, tiny model, torch backend
+
+The same ``--batch`` prompts of ``--prompt`` random tokens, prefilled twice: by
+``torch_cp.Engine.run(prompts, 1)`` over the patched model (one step of ``batch * prompt``
+tokens: the prompts and the first token) and by the unpatched model's own forward
+(``logits_to_keep=1``, a fresh ``DynamicCache``: what ``model.generate`` runs first). Each is timed
+(milliseconds, best of ``--iters`` after a warm-up) and profiled once: its kernels (operators on
+the CPU) summed by name and by kind (GEMM, attention, other), so the two can be set side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+from transformers import DynamicCache
+
+import torch_cp
+from benchmarks import models
+from benchmarks.common import run_header, sync
+from torch_cp.cache import cache_kwarg
+
+PAGE = 16
+GEMM_MARKS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
+              "aten::matmul", "aten::bmm", "aten::linear")
+ATTENTION_MARKS = ("flash", "prefill", "attention", "fmha", "mla", "aten::_scaled_dot_product",
+                   "merge", "context_partial", "own_partial")
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    if any(mark in name for mark in ATTENTION_MARKS):
+        return "attention"
+    if any(mark in name for mark in GEMM_MARKS):
+        return "gemm"
+    return "other"
+
+
+def profiled(fn, device: torch.device, top: int) -> dict:
+    """One call of ``fn`` under torch.profiler: milliseconds by kind and the ``top`` kernels."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    by_name: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.key_averages():
+        if on_gpu and event.device_type != DeviceType.CUDA:
+            continue
+        ms = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e3
+        if ms > 0:
+            by_name[event.key] += ms
+            calls[event.key] += event.count
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, ms in by_name.items():
+        by_kind[kind_of(name)] += ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return dict(kernel_ms=sum(by_name.values()), by_kind=dict(by_kind),
+                top=[dict(kernel=k[:120], ms=ms, calls=calls[k]) for k, ms in ranked])
+
+
+def best_ms(fn, device: torch.device, iters: int) -> float:
+    fn()  # warm-up: lazy initialisation, kernel selection
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
+
+
+@torch.inference_mode()
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3", choices=["qwen3", "mla"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, torch backend")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = models.build(args.model, device, dtype, args.smoke)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), generator=gen)
+    prompts = ids.tolist()
+    ids = ids.to(device)
+
+    cache = cache_kwarg(model)
+
+    def hf_prefill():
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                     **{cache: DynamicCache(config=model.config)}).logits
+
+    hf = dict(ms=best_ms(hf_prefill, device, args.iters), **profiled(hf_prefill, device, args.top))
+    first_hf = hf_prefill()[:, -1].argmax(-1).tolist()
+
+    torch_cp.patch_model(model, backend="torch" if args.smoke else "flashinfer", page_size=PAGE)
+    per_row = -(-(args.prompt + 1) // PAGE)
+    engine = torch_cp.Engine(model, args.batch * per_row, PAGE, max_rows=args.batch,
+                             max_tokens_per_step=args.batch * args.prompt)
+
+    def torch_cp_prefill():
+        return engine.run(prompts, 1, eos_token_ids=(), progress=False)
+
+    steps_before = engine.steps
+    ours = dict(ms=best_ms(torch_cp_prefill, device, args.iters),
+                **profiled(torch_cp_prefill, device, args.top))
+    ours["steps_per_call"] = (engine.steps - steps_before) / (args.iters + 2)
+    first_ours = [r.token_ids[0] for r in torch_cp_prefill()]
+    torch_cp.unpatch_model(model)
+    out = dict(run_header(device), model=args.model, batch=args.batch, prompt=args.prompt,
+               tokens=args.batch * args.prompt, torch_cp=ours, hugging_face=hf,
+               same_first_tokens=sum(a == b for a, b in zip(first_ours, first_hf)))
+    for name, r in (("torch_cp", ours), ("hugging_face", hf)):
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["by_kind"].items()))
+        print(f"{name}: {r['ms']:.1f} ms ({out['tokens'] / r['ms']:.0f} tokens/ms); "
+              f"profiled ms by kind: {kinds}")
+        for k in r["top"]:
+            print(f"  {k['ms']:9.2f} ms {k['calls']:5d}x  {k['kernel']}")
+    print(f"same first token in {out['same_first_tokens']} of {args.batch} rows")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
