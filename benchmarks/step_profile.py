@@ -89,7 +89,10 @@ def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], f
 def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48) -> dict:
     """``engine.run`` with ``overlap_planning`` under torch.profiler: per decode step, the GPU's
     idle time (no kernel or copy running) and the host's CUDA runtime calls (ms per step; a
-    ``cudaEventSynchronize`` is the host waiting for a step's tokens)."""
+    ``cudaEventSynchronize`` is the host waiting for a step's tokens, a
+    ``cudaStreamSynchronize`` a copy or call that waits for the whole stream). The profiler
+    slows the host several times over (``cudaGraphLaunch`` 2.7 ms a step under it, run 24), so
+    the idle time is an upper bound; which calls wait is the finding."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
     for row in range(batch):
