@@ -12,7 +12,7 @@ is one more planned row, padding tokens' own K/V are zeroed.
 
 FlashInfer's FA MLA planner refuses more than 16384 work items. ``mla_work_items`` bounds the
 count from query lengths alone, so every partner refuses the same step before planning
-(``PlannerCapExceeded``) and the engine can retry with fewer rows.
+(``PlannerCapExceeded``) and the engine can retry it smaller.
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ LN2 = math.log(2.0)
 
 class PlannerCapExceeded(StepRefused, ValueError):
     """A step needs more MLA planner work items than FlashInfer accepts; the engine retries it
-    with fewer rows (a ``StepRefused``)."""
+    smaller (a ``StepRefused``: fewer prefill tokens first, then fewer rows)."""
 
     def __init__(self, work_items: int, cap: int, num_rows: int, num_heads: int):
         super().__init__(f"MLA step of {num_rows} rows x {num_heads} heads needs up to "
-                         f"{work_items} planner work items; FlashInfer's cap is {cap}")
+                         f"{work_items} planner work items; FlashInfer's cap is {cap} "
+                         f"(torch_cp.generate retries such a step smaller by itself; with "
+                         f"model.generate, prefill in chunks: prefill_chunk_size=...)")
         self.work_items = work_items
         self.cap = cap
         self.num_rows = num_rows
