@@ -115,18 +115,20 @@ class Scheduler:
         a = self.allocator
         return sum(a.missing_pages(r.index, r.lifetime_tokens) for r in self.running.values())
 
-    def _can_admit(self) -> bool:
-        """Whether the head of the queue fits now (first come, first served: no request
-        overtakes it): a free row and the pages of its whole lifetime."""
+    def _head_fits(self, available_pages: int) -> bool:
+        """Whether the head of the queue fits (first come, first served: no request overtakes
+        it): a free row, and its whole lifetime within ``available_pages`` (free pages less
+        those promised)."""
         if not self.waiting or (self.max_rows is not None and len(self.running) >= self.max_rows):
             return False
-        need = self.allocator.pages_for(self.waiting[0].lifetime_tokens)
-        return need <= self.allocator.free_pages - self._promised_pages()
+        return self.allocator.pages_for(self.waiting[0].lifetime_tokens) <= available_pages
 
     def _admit(self) -> None:
-        while self._can_admit():
+        available = self.allocator.free_pages - self._promised_pages()
+        while self._head_fits(available):
             request = self.waiting.popleft()
             self.running[request.index] = request
+            available -= self.allocator.pages_for(request.lifetime_tokens)
 
     def schedule(self, max_rows: int | None = None, max_tokens: int | None = None) -> list[Row]:
         """The next step's rows (empty only when nothing is left to run).
@@ -159,7 +161,9 @@ class Scheduler:
         a request that stops at EOS returns them). ``None`` where the next step is not certain
         enough to plan ahead for: a waiting request that could be admitted once ``rows``
         commit, or rows that are not decode rows or leave a running request out."""
-        if len(rows) != len(self.running) or self._can_admit():
+        if len(rows) != len(self.running) or (
+                self.waiting and self._head_fits(self.allocator.free_pages
+                                                 - self._promised_pages())):
             return None
         following = []
         for row in rows:
