@@ -88,6 +88,26 @@ def graph_time_ms(fn: Callable[[], object], device: torch.device, iters: int = 5
     return time_ms(graph.replay, device, iters=reps, warmup=2) / per_graph
 
 
+def kernel_times(fn: Callable[[], object], device: torch.device) -> dict[str, tuple[float, int]]:
+    """One call of ``fn`` under torch.profiler: milliseconds and calls of each kernel by name
+    (on the CPU, of each operator, by its self time)."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync(device)
+    times: dict[str, tuple[float, int]] = {}
+    for event in prof.key_averages():
+        if on_gpu and event.device_type != DeviceType.CUDA:
+            continue
+        ms = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e3
+        if ms > 0:
+            before_ms, before_calls = times.get(event.key, (0.0, 0))
+            times[event.key] = (before_ms + ms, before_calls + event.count)
+    return times
+
+
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     n = int(gib * 2**30) // 2 if device.type == "cuda" else 1 << 22

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import run_header, sync
+from benchmarks.common import kernel_times, run_header, sync
 from torch_cp.cache import cache_kwarg
 
 PAGE = 16
@@ -44,28 +44,13 @@ def kind_of(kernel: str) -> str:
 
 def profiled(fn, device: torch.device, top: int) -> dict:
     """One call of ``fn`` under torch.profiler: milliseconds by kind and the ``top`` kernels."""
-    from torch.profiler import DeviceType, ProfilerActivity, profile
-
-    on_gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        fn()
-        sync(device)
-    by_name: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-    for event in prof.key_averages():
-        if on_gpu and event.device_type != DeviceType.CUDA:
-            continue
-        ms = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e3
-        if ms > 0:
-            by_name[event.key] += ms
-            calls[event.key] += event.count
+    times = kernel_times(fn, device)
     by_kind: dict[str, float] = defaultdict(float)
-    for name, ms in by_name.items():
+    for name, (ms, _) in times.items():
         by_kind[kind_of(name)] += ms
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return dict(kernel_ms=sum(by_name.values()), by_kind=dict(by_kind),
-                top=[dict(kernel=k[:120], ms=ms, calls=calls[k]) for k, ms in ranked])
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(kernel_ms=sum(ms for ms, _ in times.values()), by_kind=dict(by_kind),
+                top=[dict(kernel=k[:120], ms=ms, calls=calls) for k, (ms, calls) in ranked])
 
 
 def best_ms(fn, device: torch.device, iters: int) -> float:

@@ -21,7 +21,7 @@ import torch
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import run_header, time_ms
+from benchmarks.common import kernel_times, run_header, time_ms
 
 PAGE = 16
 
@@ -71,15 +71,12 @@ def phases(runner, ids, q_lens, ctx_lens, tables, rows, iters: int) -> dict[str,
 
 
 def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], float, int]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def replays():
         for _ in range(steps):
             graph.replay()
-        torch.cuda.synchronize(device)
-    rows = [dict(kernel=e.key[:90], ms_per_step=e.self_device_time_total / 1e3 / steps,
-                 calls_per_step=e.count / steps)
-            for e in prof.key_averages() if e.self_device_time_total > 0]
+
+    rows = [dict(kernel=name[:90], ms_per_step=ms / steps, calls_per_step=calls / steps)
+            for name, (ms, calls) in kernel_times(replays, device).items()]
     rows.sort(key=lambda r: -r["ms_per_step"])
     total = sum(r["ms_per_step"] for r in rows)
     calls = int(sum(r["calls_per_step"] for r in rows))
