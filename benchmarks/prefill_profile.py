@@ -1,6 +1,7 @@
 """Where a prefill goes: torch_cp's engine against the unpatched Hugging Face forward.
 
     python -m benchmarks.prefill_profile --model qwen3 --batch 16 --prompt 4096
+    python -m benchmarks.prefill_profile --model qwen3 --batch 16 --prompt 4096 --compile
     python -m benchmarks.prefill_profile --smoke     # CPU, tiny model, torch backend
 
 The same ``--batch`` prompts of ``--prompt`` random tokens, prefilled twice: by
@@ -9,6 +10,8 @@ tokens: the prompts and the first token) and by the unpatched model's own forwar
 (``logits_to_keep=1``, a fresh ``DynamicCache``: what ``model.generate`` runs first). Each is timed
 (milliseconds, best of ``--iters`` after a warm-up) and profiled once: its kernels (operators on
 the CPU) summed by name and by kind (GEMM, attention, other), so the two can be set side by side.
+``--compile``: the engine of ``torch_cp.generate(..., cuda_graphs=True, compile=True)``, whose
+prefill steps run through the compiled decoder layers (the warm-up call compiles them).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt", type=int, default=4096)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--compile", action="store_true", help="compiled layers (CUDA graphs engine)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, torch backend")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -95,8 +99,10 @@ def main(argv=None) -> dict:
 
     torch_cp.patch_model(model, backend="torch" if args.smoke else "flashinfer", page_size=PAGE)
     per_row = -(-(args.prompt + 1) // PAGE)
+    compiled = dict(cuda_graphs=True, compile=True, max_pages_per_row=per_row) if args.compile \
+        else {}
     engine = torch_cp.Engine(model, args.batch * per_row, PAGE, max_rows=args.batch,
-                             max_tokens_per_step=args.batch * args.prompt)
+                             max_tokens_per_step=args.batch * args.prompt, **compiled)
 
     def torch_cp_prefill():
         return engine.run(prompts, 1, eos_token_ids=(), progress=False)
@@ -108,6 +114,7 @@ def main(argv=None) -> dict:
     first_ours = [r.token_ids[0] for r in torch_cp_prefill()]
     torch_cp.unpatch_model(model)
     out = dict(run_header(device), model=args.model, batch=args.batch, prompt=args.prompt,
+               compile=args.compile,
                tokens=args.batch * args.prompt, torch_cp=ours, hugging_face=hf,
                same_first_tokens=sum(a == b for a, b in zip(first_ours, first_hf)))
     for name, r in (("torch_cp", ours), ("hugging_face", hf)):

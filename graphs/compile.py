@@ -32,8 +32,10 @@ RECOMPILE_LIMIT = 64
 @contextlib.contextmanager
 def compiled_layers(model) -> Iterator[None]:
     """Within the block, every decoder layer of ``model`` runs as ``torch.compile(layer,
-    fullgraph=True)``; after it, eagerly again (so eager steps, e.g. prefills that no bucket
-    fits, do not compile). Capture CUDA graphs inside it: they keep the compiled kernels."""
+    fullgraph=True)``; after it, eagerly again (the model stays usable uncompiled). Capture CUDA
+    graphs inside it: they keep the compiled kernels. Entering it again reuses the graphs
+    compiled before (Dynamo caches them by code and guards), so the engine enters it around
+    each eager step it compiles."""
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(fullgraph=True)

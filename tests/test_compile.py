@@ -20,6 +20,8 @@ from torch._inductor.utils import run_and_get_code
 import torch_cp
 from torch_cp.graphs import compiled_layers
 from torch_cp.plan import build_step_plan
+from torch_cp.scheduler import Row
+from torch_cp.steps import StepLauncher
 
 PAGE = 8
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -150,3 +152,45 @@ def test_compiled_layers_share_their_graphs(family):
         got = _step_script(other, torch_cp.PagedKVCache.for_model(other, 400, PAGE))
     for e, c in zip(expected, got):
         torch.testing.assert_close(c, e, **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_eager_steps_run_the_compiled_layers_at_every_length(family):
+    """``Engine(compile=True)`` runs the steps no bucket fits (long prefills) through the
+    compiled layers too, entering ``compiled_layers`` per step: logits equal eager for steps of
+    different rows and lengths, and after a step of a second length (Dynamo then compiles a
+    dynamic token dimension) further lengths compile nothing new."""
+    model = _deep_model(family)
+    cache = torch_cp.PagedKVCache.for_model(model, num_pages=40, page_size=PAGE)
+    steps = [  # (rows, page tables): prompts, chunks after a context, a mixed step
+        ([Row(0, 0, 13, True)], [[0, 1]]),
+        ([Row(1, 0, 6, False), Row(2, 0, 9, True)], [[2, 3], [4, 5]]),
+        ([Row(1, 6, 10, True), Row(3, 0, 21, True)], [[2, 3], [6, 7, 8]]),
+        ([Row(0, 13, 1, True), Row(4, 0, 30, True), Row(5, 0, 2, True)],
+         [[0, 1], [9, 10, 11, 12], [13]]),
+    ]
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    tokens = [torch.randint(0, vocab, (sum(r.length for r in rows),), generator=g).tolist()
+              for rows, _ in steps]
+
+    def run(compile: bool) -> list[torch.Tensor]:
+        launcher = StepLauncher(model, cache, compile=compile)
+        outs = []
+        for (rows, tables), ids in zip(steps, tokens):
+            step = launcher.plan(rows, [torch.tensor(t) for t in tables])
+            outs.append(launcher.launch(step, ids, list(range(len(rows)))))
+            if compile and len(outs) == 2:
+                graphs = counters["stats"]["unique_graphs"]
+        return outs, graphs if compile else None
+
+    eager, _ = run(compile=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, graphs = run(compile=True)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, **TOL)
+    assert graphs >= 1
+    assert counters["stats"]["unique_graphs"] == graphs, "a length after the second recompiled"
+    run(compile=False)
+    assert counters["stats"]["unique_graphs"] == graphs, "eager when compile is off"

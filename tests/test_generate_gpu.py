@@ -81,8 +81,8 @@ def test_flashinfer_with_graphs_matches_the_reference_backend(name):
 def test_compiled_engine_gives_the_uncompiled_engines_tokens(name):
     """The fastest configuration (compiled layers, CUDA graphs, steps launched ahead) against the
     uncompiled graphs engine on the same bf16 model. Fusion rounds differently, so a stream may
-    split, but only where the unpatched model's two candidates are a near-tie (within 2^-5 of
-    the logit, as in ``test_nccl_gpu.near_tie``)."""
+    split, but only at a near-tie. The prompts (one eager step) run through the compiled layers
+    too."""
     model = torch_cp.patch_model(MODELS[name]().cuda(), backend="flashinfer")
     kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, max_pages_per_row=8)
     plain = tokens(torch_cp.Engine(model, **kwargs).run(prompts(), NEW_TOKENS))
@@ -90,8 +90,14 @@ def test_compiled_engine_gives_the_uncompiled_engines_tokens(name):
     fast = tokens(engine.run(prompts(), NEW_TOKENS))
     assert engine.replayed_steps >= NEW_TOKENS - 2
     assert engine.launched_ahead_steps >= NEW_TOKENS // 2
+    assert_equal_but_near_ties(name, plain, fast)
+
+
+def assert_equal_but_near_ties(name, want_streams, have_streams):
+    """Greedy streams of the same bf16 model, summed in other orders: equal, or split where the
+    unpatched model's two candidates are within 2^-5 of the logit (``test_nccl_gpu.near_tie``)."""
     reference = MODELS[name]().cuda()
-    for prompt, want, have in zip(prompts(), plain, fast):
+    for prompt, want, have in zip(prompts(), want_streams, have_streams):
         if want == have:
             continue
         d = next(i for i, (x, y) in enumerate(zip(want, have)) if x != y)
@@ -99,6 +105,21 @@ def test_compiled_engine_gives_the_uncompiled_engines_tokens(name):
             logits = reference(torch.tensor([prompt + want[:d]], device="cuda")).logits[0, -1]
         a, b = logits[want[d]].float().item(), logits[have[d]].float().item()
         assert abs(a - b) <= 2 ** -5 * max(abs(a), abs(b)), (prompt, d, a, b)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prompts_prefilled_in_chunks_give_the_whole_prompts_tokens(name, compile):
+    """Chunks of 16 tokens (prompts of 17-70 tokens): every chunk after the first merges its
+    context partial with its own tokens' (FlashInfer's merge_state), eagerly or through the
+    compiled layers (the chunks fit no bucket), against one prefill step per prompt."""
+    model = torch_cp.patch_model(MODELS[name]().cuda(), backend="flashinfer")
+    kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, max_pages_per_row=8)
+    whole = tokens(torch_cp.Engine(model, **kwargs).run(prompts(), NEW_TOKENS))
+    engine = torch_cp.Engine(model, **kwargs, max_tokens_per_step=16, compile=compile)
+    chunked = tokens(engine.run(prompts(), NEW_TOKENS))
+    assert engine.steps >= sum(-(-n // 16) for n in PROMPT_LENGTHS)
+    assert_equal_but_near_ties(name, whole, chunked)
 
 
 def qwen3_in(dtype):

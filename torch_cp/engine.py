@@ -67,9 +67,10 @@ class Engine:
         max_pages_per_row: page-table width of the captured buckets (default: the whole pool);
             a step with a longer row runs eagerly.
         mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
-        compile: capture the steps with every decoder layer compiled (``torch.compile``,
-            fullgraph; the layers share their compiled graphs, see ``compiled_layers``): fuses
-            the model's small kernels. Needs ``cuda_graphs``.
+        compile: run every decoder layer compiled (``torch.compile``, fullgraph; the layers
+            share their compiled graphs, see ``compiled_layers``), in the captured steps and in
+            the steps that run eagerly (long prefills): fuses the model's small kernels. Needs
+            ``cuda_graphs``.
         overlap_planning: while a decode step runs on the device, plan the next one on the host
             for the rows it will have unless a request stops at EOS and, with greedy sampling,
             launch it at once, fed this step's tokens on the device; the host then takes this
@@ -124,7 +125,7 @@ class Engine:
                                           max_pages_per_row or num_pages)
             with compiled_layers(model) if compile else contextlib.nullcontext():
                 self.runner.capture()
-        self.launcher = StepLauncher(model, self.cache, self.runner)
+        self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
 
     @property
     def kv_bytes(self) -> int:

@@ -7,13 +7,13 @@ from torch import nn
 
 from torch_cp.attention.backend import AttentionBackend
 from torch_cp.attention.exchange import Exchange
-from torch_cp.attention.merge import partner_merge
+from torch_cp.attention.merge import own_tokens_merge, partner_merge
 from torch_cp.attention.ops import (
     context_partial,
     own_partial,
     register_backend,
 )
-from torch_cp.attention.partial import Partial, merge_two
+from torch_cp.attention.partial import Partial
 from torch_cp.plan import StepPlan
 
 
@@ -36,6 +36,7 @@ class ContextParallelAttention(nn.Module):
         self.exchange = exchange
         self.handle = register_backend(backend)
         self.merge = partner_merge(backend)
+        self.merge_own = own_tokens_merge(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool,
                 plan: StepPlan) -> torch.Tensor:
@@ -58,5 +59,5 @@ class ContextParallelAttention(nn.Module):
                          else self.exchange.gather_partials(partial))
             partial = self.merge(*exchanged)
         if not plan.is_decode:
-            partial = merge_two(partial, Partial(*own_partial(q, k, v, self.handle)))
+            partial = self.merge_own(partial, Partial(*own_partial(q, k, v, self.handle)))
         return partial.out
