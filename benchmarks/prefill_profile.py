@@ -72,14 +72,16 @@ def best_ms(fn, device: torch.device, iters: int) -> float:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3", choices=["qwen3", "mla"])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=4096)
+    p.add_argument("--batch", type=int, help="prompts (default 16; --smoke: 2)")
+    p.add_argument("--prompt", type=int, help="tokens a prompt (default 4096; --smoke: 24)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--compile", action="store_true", help="compiled layers (CUDA graphs engine)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, torch backend")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    args.batch = args.batch or (2 if args.smoke else 16)
+    args.prompt = args.prompt or (24 if args.smoke else 4096)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     model = models.build(args.model, device, dtype, args.smoke)
