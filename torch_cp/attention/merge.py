@@ -1,9 +1,9 @@
 """Merges of partials with FlashInfer's kernels where they apply, else in torch.
 
 The partner merge runs ``merge_states`` (S partials, one kernel); a multi-token step's merge of
-its context partial with its own tokens' runs ``merge_state`` (two partials, one kernel), which
-in torch took six full-size float32 passes (``merge_two``: 0.2 s of a 2.4 s prefill of 16 x 4096
-tokens on Qwen3-8B, BENCHMARKS.md run 27).
+its context partial with its own tokens' runs ``merge_state`` (two partials, one kernel): in
+torch (``merge_two``) it takes several full-size float32 passes, about 0.25 s of a 2.4 s prefill
+of 16 x 4096 tokens on Qwen3-8B against 13 ms (BENCHMARKS.md, runs 27 and 29).
 
 ``merge_states`` takes ``v [N, S, H, D]`` and base-2 ``s [N, S, H]``; its thread block is
 ``(D / vec, H)``, so at bf16/fp16 it launches only up to 64 heads at D = 128 and 32 heads at
