@@ -30,15 +30,20 @@ RECOMPILE_LIMIT = 64
 
 
 @contextlib.contextmanager
-def compiled_layers(model) -> Iterator[None]:
+def compiled_layers(model, layers: list[torch.nn.Module] | None = None) -> Iterator[None]:
     """Within the block, every decoder layer of ``model`` runs as ``torch.compile(layer,
     fullgraph=True)``; after it, eagerly again (the model stays usable uncompiled). Capture CUDA
     graphs inside it: they keep the compiled kernels. Entering it again reuses the graphs
-    compiled before (Dynamo caches them by code and guards), so the engine enters it around
-    each eager step it compiles."""
-    layers = decoder_layers(model)
+    compiled before (Dynamo caches them by code and guards) and each layer's ``torch.compile``
+    wrapper, so the engine enters it around each eager step it compiles, passing ``layers``
+    (``decoder_layers(model)``, found once). On the 2-core development machine, for 36 layers,
+    making the wrappers took 9 ms and walking the module tree for the layers 3 ms an entry."""
+    layers = decoder_layers(model) if layers is None else layers
     for layer in layers:
-        layer.compile(fullgraph=True)
+        # What nn.Module.compile(fullgraph=True) sets, made once per layer.
+        if getattr(layer, "_torch_cp_compiled_call", None) is None:
+            layer._torch_cp_compiled_call = torch.compile(layer._call_impl, fullgraph=True)
+        layer._compiled_call_impl = layer._torch_cp_compiled_call
     try:
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
                                         recompile_limit=RECOMPILE_LIMIT):

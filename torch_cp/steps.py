@@ -20,6 +20,7 @@ import torch
 from torch_cp.cache import PagedKVCache, cache_kwarg
 from torch_cp.plan import StepPlan, build_step_plan
 from torch_cp.scheduler import Row
+from torch_cp.validate import decoder_layers
 
 if TYPE_CHECKING:
     from torch_cp.graphs.buckets import Bucket
@@ -63,6 +64,7 @@ class StepLauncher:
         self.cache = cache
         self.runner = runner
         self.compile = compile
+        self._layers_to_compile = decoder_layers(model) if compile else None
         self.runtime = cache.runtime
         self._cache_kwarg = cache_kwarg(model)
 
@@ -111,7 +113,7 @@ class StepLauncher:
             return contextlib.nullcontext()
         from torch_cp.graphs import compiled_layers
 
-        return compiled_layers(self.model)
+        return compiled_layers(self.model, self._layers_to_compile)
 
 
 @dataclass
