@@ -31,6 +31,16 @@ MERGE_STATES_MAX_HEADS = {128: 64, 512: 32}
 EMPTY_LSE = -1e30  # exp2(EMPTY_LSE - m) == 0 in float32 for every real lse m
 
 
+def _kernel_lse(lse: torch.Tensor) -> torch.Tensor:
+    """float32 LSE with -inf (no keys) as ``EMPTY_LSE``, for FlashInfer's merges."""
+    return lse.float().clamp_min(EMPTY_LSE)
+
+
+def _empty_as_inf(lse: torch.Tensor) -> torch.Tensor:
+    """A merged LSE with -inf again where every partial was empty."""
+    return torch.where(lse > EMPTY_LSE / 2, lse, float("-inf"))
+
+
 @torch.library.custom_op("torch_cp::merge_states", mutates_args=())
 def merge_states(out_snhd: torch.Tensor, lse_snh: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +48,9 @@ def merge_states(out_snhd: torch.Tensor, lse_snh: torch.Tensor
     import flashinfer
 
     v = out_snhd.transpose(0, 1).contiguous()
-    s = lse_snh.float().clamp_min(EMPTY_LSE).transpose(0, 1).contiguous()
+    s = _kernel_lse(lse_snh).transpose(0, 1).contiguous()
     out, lse = flashinfer.merge_states(v, s)
-    return out, torch.where(lse > EMPTY_LSE / 2, lse, float("-inf"))
+    return out, _empty_as_inf(lse)
 
 
 @merge_states.register_fake
@@ -61,11 +71,10 @@ def merge_state(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
     def flat(out, lse):
         return (out.contiguous().view(*shape, dim),
-                lse.float().clamp_min(EMPTY_LSE).contiguous().view(shape))
+                _kernel_lse(lse).contiguous().view(shape))
 
     out, lse = flashinfer.merge_state(*flat(out_a, lse_a), *flat(out_b.to(out_a.dtype), lse_b))
-    lse = torch.where(lse > EMPTY_LSE / 2, lse, float("-inf"))
-    return out.view(n, heads, dim), lse.view(n, heads)
+    return out.view(n, heads, dim), _empty_as_inf(lse).view(n, heads)
 
 
 @merge_state.register_fake
