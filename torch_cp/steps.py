@@ -63,7 +63,6 @@ class StepLauncher:
         self.model = model
         self.cache = cache
         self.runner = runner
-        self.compile = compile
         self._layers_to_compile = decoder_layers(model) if compile else None
         self.runtime = cache.runtime
         self._cache_kwarg = cache_kwarg(model)
@@ -109,7 +108,7 @@ class StepLauncher:
         return out.logits[0]
 
     def _layers(self):
-        if not self.compile:
+        if self._layers_to_compile is None:
             return contextlib.nullcontext()
         from torch_cp.graphs import compiled_layers
 
