@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
 
 import torch
 
@@ -35,10 +34,9 @@ from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.partial import merge_partials
 from torch_cp.attention.select import make_backend
-from torch_cp.graphs import Bucket
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.placement import ContextParallel
-from torch_cp.plan import build_step_plan
+from torch_cp.plan import Bucket, build_step_plan
 
 GROUP = object()  # one partner measured alone: the partners' process group is never used
 PAGE = 16
@@ -153,20 +151,19 @@ def placed(shape: dict, batch: int, ctx: int, tables, num_pages: int, size: int,
         backend.plan(plan)
     out = dict(plan_host_ms=(time.perf_counter() - t0) * 1e3 / 3)
     q = torch.randn(batch, geo.q_heads, geo.head_dim, dtype=DTYPE, device=device)
-    out["ms"] = time_ms(lambda: backend.run_context(q, pool, 0), device)
+    out["ms"] = time_ms(lambda: backend.run_context(q, pool.tensors, 0), device)
     local = int(plan.context_host.lens.to(torch.int64).sum())
     out["kv_bytes"] = local * kv_bytes_per_token(shape)
     if size == 1:
         module = ContextParallelAttention(0, backend, Exchange(cp))
         k_new, v_new = new_tokens(shape, batch, device)
         out["whole_eager_ms"] = time_ms(lambda: module(q, k_new, v_new, pool, plan), device)
-        if device.type == "cuda" and hasattr(backend, "add_bucket"):
-            backend.add_bucket(Bucket(batch, batch), max_pages=batch * len(tables[0]))
-            graph_plan = replace(
-                build_step_plan([1] * batch, [ctx - 1] * batch, tables, page_size=PAGE,
-                                sink_page=num_pages, placement=cp, device=device,
-                                pad_rows_to=batch, table_width=len(tables[0])),
-                graph_bucket=(batch, batch, batch * len(tables[0])))
+        if device.type == "cuda":
+            bucket = Bucket(batch, batch, batch * len(tables[0]))
+            backend.add_bucket(bucket)
+            graph_plan = build_step_plan([1] * batch, [ctx - 1] * batch, tables, page_size=PAGE,
+                                         sink_page=num_pages, placement=cp, device=device,
+                                         bucket=bucket)
             backend.plan(graph_plan)
             out["whole_graph_ms"] = graph_time_ms(
                 lambda: module(q, k_new, v_new, pool, graph_plan), device)

@@ -41,10 +41,10 @@ import torch.distributed as dist
 import torch_cp
 from benchmarks import models
 from benchmarks.common import Results, free_cuda, run_header, table
-from torch_cp.memory import pool_bytes_per_page
-from torch_cp.sampling import greedy_tokens
-from torch_cp.scheduler import Row
-from torch_cp.steps import LaunchedStep
+from torch_cp.engine.memory import pool_bytes_per_page
+from torch_cp.engine.sampling import greedy_tokens
+from torch_cp.engine.scheduler import Row
+from torch_cp.engine.steps import LaunchedStep
 
 PAGE = 16
 SETUPS = {"qwen3": "sp", "mla": "tp"}
@@ -86,7 +86,7 @@ class Decoder:
 
         def step() -> LaunchedStep:
             planned = e.launcher.plan(following, tables)
-            self.replayed = planned.bucket is not None
+            self.replayed = planned.plan.bucket is not None
             launched = LaunchedStep(following, rows, e.launcher.launch(planned, ids, rows))
             launched.send_ids_home(greedy_tokens(launched.logits))
             return launched

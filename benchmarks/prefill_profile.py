@@ -27,7 +27,7 @@ from transformers import DynamicCache
 import torch_cp
 from benchmarks import models
 from benchmarks.common import kernel_times, run_header, sync
-from torch_cp.cache import cache_kwarg
+from torch_cp.compat import cache_kwarg
 
 PAGE = 16
 GEMM_MARKS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",

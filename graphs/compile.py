@@ -22,7 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-from torch_cp.validate import decoder_layers
+from torch_cp import compat
+from torch_cp.layers import decoder_layers
 
 # Graphs the capture may compile: up to eight as above, and more for mixed buckets; Dynamo's
 # default limit of 8 would fail the capture.
@@ -42,12 +43,11 @@ def compiled_layers(model, layers: list[torch.nn.Module] | None = None) -> Itera
     for layer in layers:
         # What nn.Module.compile(fullgraph=True) sets, made once per layer.
         if getattr(layer, "_torch_cp_compiled_call", None) is None:
-            layer._torch_cp_compiled_call = torch.compile(layer._call_impl, fullgraph=True)
-        layer._compiled_call_impl = layer._torch_cp_compiled_call
+            layer._torch_cp_compiled_call = compat.compile_call(layer)
+        compat.set_compiled_call(layer, layer._torch_cp_compiled_call)
     try:
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
-                                        recompile_limit=RECOMPILE_LIMIT):
+        with compat.dynamo_layer_options(RECOMPILE_LIMIT):
             yield
     finally:
         for layer in layers:
-            layer._compiled_call_impl = None  # what nn.Module.compile set: eager again
+            compat.set_compiled_call(layer, None)  # eager again

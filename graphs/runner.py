@@ -9,14 +9,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
-from torch_cp.cache import cache_kwarg
-from torch_cp.graphs.buckets import Bucket, pick_bucket
+from torch_cp.compat import cache_kwarg
+from torch_cp.graphs.buckets import pick_bucket
 from torch_cp.graphs.static_plan import StaticPlan
-from torch_cp.plan import StepPlan, build_step_plan
+from torch_cp.plan import Bucket, StepPlan, build_step_plan
 
 log = logging.getLogger("torch_cp")
 
@@ -53,35 +52,27 @@ class CUDAGraphRunner:
         model: a model patched by ``torch_cp.patch_model`` on CUDA.
         cache: its ``PagedKVCache`` (the pool the graphs write and read).
         buckets: shapes to capture (``default_buckets``).
-        max_pages_per_row: the page-table width every bucket is captured with.
 
     Attributes:
         pad_token_id: the input id of padding tokens (their outputs are never read).
     """
 
-    def __init__(self, model, cache, buckets: Sequence[Bucket], max_pages_per_row: int):
+    def __init__(self, model, cache, buckets: Sequence[Bucket]):
         if not buckets:
             raise ValueError("CUDAGraphRunner needs at least one bucket")
         self.model = model
         self.cache = cache
         self.buckets = sorted(set(buckets))
-        self.width = max_pages_per_row
         self.device = cache.runtime.device
         self.captured: dict[Bucket, _Captured] = {}
         self.pad_token_id = 0
         self.cache_kwarg = cache_kwarg(model)
 
-    def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables):
-        plan = build_step_plan(
-            q_lens, ctx_lens, tables, page_size=self.cache.pool.page_size,
-            sink_page=self.cache.pool.sink_page, placement=self.cache.runtime.placement,
-            device=self.device, pad_rows_to=bucket.rows,
-            pad_tokens_to=None if bucket.decode else bucket.tokens, table_width=self.width)
-        return replace(plan, graph_bucket=(bucket.rows, bucket.tokens, self._max_pages(bucket)))
-
-    def _max_pages(self, bucket: Bucket) -> int:
-        """Page ids a step of ``bucket`` may hold: every row at the full table width."""
-        return bucket.rows * self.width
+    def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables) -> StepPlan:
+        pool = self.cache.pool
+        return build_step_plan(q_lens, ctx_lens, tables, page_size=pool.page_size,
+                               sink_page=pool.sink_page, placement=self.cache.runtime.placement,
+                               device=self.device, bucket=bucket)
 
     def _forward(self, c: _Captured) -> torch.Tensor:
         out = self.model(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
@@ -97,8 +88,7 @@ class CUDAGraphRunner:
         stream = capture_stream(self.device)
         backend = self.cache.runtime.backend
         for bucket in sorted(self.buckets, reverse=True):
-            if hasattr(backend, "add_bucket"):
-                backend.add_bucket(bucket, max_pages=self._max_pages(bucket))
+            backend.add_bucket(bucket)
             static = StaticPlan(self._plan(bucket, [], [], []))
             c = _Captured(bucket, static, self.device)
             self.cache.begin_step(static.plan)
@@ -113,11 +103,9 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         log.info("torch_cp: captured %d CUDA-graph buckets", len(self.captured))
 
-    def bucket_for(self, q_lens: Sequence[int], max_pages: int) -> Bucket | None:
-        if max_pages > self.width:
-            return None
+    def bucket_for(self, q_lens: Sequence[int], table_width: int) -> Bucket | None:
         decode = all(q == 1 for q in q_lens)
-        return pick_bucket(list(self.captured), len(q_lens), sum(q_lens), decode)
+        return pick_bucket(list(self.captured), len(q_lens), sum(q_lens), decode, table_width)
 
     @torch.inference_mode()
     def step(self, token_ids: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
@@ -131,32 +119,31 @@ class CUDAGraphRunner:
         Returns:
             [len(logit_rows), vocab] logits, or None when no captured bucket fits (run eagerly).
         """
-        prepared = self.prepare(q_lens, ctx_lens, tables)
-        if prepared is None:
+        plan = self.prepare(q_lens, ctx_lens, tables)
+        if plan is None:
             return None
-        return self.launch(prepared, token_ids, logit_rows)
+        return self.launch(plan, token_ids, logit_rows)
 
     @torch.inference_mode()
     def prepare(self, q_lens: Sequence[int], ctx_lens: Sequence[int],
-                tables: Sequence[Sequence[int]]) -> tuple[Bucket, StepPlan] | None:
-        """Plan a step into its bucket's static buffers and plan the backend; None when no
-        captured bucket fits. Host work plus stream-ordered copies: it may run while an earlier
-        replay still executes (the copies land after it; their host sources are pinned, so they
-        do not wait for it)."""
+                tables: Sequence[Sequence[int]]) -> StepPlan | None:
+        """Plan a step into its bucket's static buffers and plan the backend: the plan (on the
+        buffers, carrying its bucket), or None when no captured bucket fits. Host work plus
+        stream-ordered copies: it may run while an earlier replay still executes (the copies
+        land after it; their host sources are pinned, so they do not wait for it)."""
         bucket = self.bucket_for(q_lens, max((len(t) for t in tables), default=0))
         if bucket is None:
             return None
         plan = self.captured[bucket].static.load(self._plan(bucket, q_lens, ctx_lens, tables))
         self.cache.begin_step(plan)
-        return bucket, plan
+        return plan
 
     @torch.inference_mode()
-    def launch(self, prepared: tuple[Bucket, StepPlan], token_ids: Sequence[int] | torch.Tensor,
+    def launch(self, plan: StepPlan, token_ids: Sequence[int] | torch.Tensor,
                logit_rows: Sequence[int]) -> torch.Tensor:
         """Replay a prepared step: [len(logit_rows), vocab] logits (computed asynchronously).
         ``token_ids``: host ints, or a 1-D tensor on the device (copied on the stream)."""
-        bucket, plan = prepared
-        c = self.captured[bucket]
+        c = self.captured[plan.bucket]
         ends = plan.qo_indptr_host[1:].long() - 1
         c.input_ids.fill_(self.pad_token_id)
         _copy_in(c.input_ids[0, : len(token_ids)], token_ids)

@@ -7,7 +7,8 @@ from dataclasses import fields, replace
 
 import torch
 
-from torch_cp.plan import PagedIndptrs, StepPlan
+from torch_cp.kv.tables import PagedIndptrs
+from torch_cp.plan import StepPlan
 
 
 class StaticPlan:

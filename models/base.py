@@ -46,13 +46,14 @@ class Family(Protocol):
         """
         ...
 
-    def forward(self, attn: nn.Module, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], cache, **kwargs
-                ) -> tuple[torch.Tensor, None]:
-        """The patched attention forward: projections (+ norms, RoPE), ``attn.cp_attention`` over
-        ``cache.pool`` with ``cache.plan``, output projection (a row-parallel o_proj reduces over
-        TP itself).
+    def forward(self, attn: nn.Module, x_nd: torch.Tensor, cos_nd: torch.Tensor,
+                sin_nd: torch.Tensor, pool, plan) -> torch.Tensor:
+        """The patched attention of N packed tokens: projections (+ norms, RoPE),
+        ``attn.cp_attention`` over ``pool`` with ``plan``, output projection (a row-parallel
+        o_proj reduces over TP itself).
 
-        hidden_states: [B, S, hidden]; returns ([B, S, hidden], None) like the Hugging Face module.
+        x_nd: [N, hidden], N = the plan's tokens (bucket padding included); cos_nd, sin_nd:
+        [N, rotary dim]. Returns [N, hidden]. ``torch_cp.hf.forward`` packs the Hugging Face
+        module's [B, S] input into these and unpacks the result.
         """
         ...

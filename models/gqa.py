@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torch_cp.attention.backend import AttentionGeometry
-from torch_cp.cache import paged_cache_from
 from torch_cp.mesh import KVHeadLayout, kv_head_replicas
 from torch_cp.placement import ContextParallel
 from torch_cp.tp import keep_in_features, keep_out_features
@@ -104,23 +102,10 @@ class GQAFamily:
         keep_out_features(attn.v_proj, kv_cols)
         keep_in_features(attn.o_proj, q_cols)
 
-    def forward(self, attn: nn.Module, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], cache, **kwargs
-                ) -> tuple[torch.Tensor, None]:
-        """hidden_states [B, S, hidden] -> ([B, S, hidden], None); see ``Family.forward``."""
-        cache = paged_cache_from(cache)
-        plan = cache.plan
-        b, s, hidden = hidden_states.shape
-        x_nd = hidden_states.reshape(b * s, hidden)
-        cos, sin = (t.expand(b, s, t.shape[-1]).reshape(b * s, -1) for t in position_embeddings)
-        index = plan.token_index
-        n = plan.positions.shape[0]  # the plan's tokens, bucket padding included
-        if index is not None:
-            pad = (0, 0, 0, n - index.shape[0])  # zero tokens up to the bucket
-            x_nd, cos, sin = (F.pad(t[index], pad) for t in (x_nd, cos, sin))
-        if x_nd.shape[0] != n:
-            raise ValueError(f"the step plan has {n} tokens but the model input gives "
-                             f"{x_nd.shape[0]}: pass token_index for a padded [B, S] input")
+    def forward(self, attn: nn.Module, x_nd: torch.Tensor, cos_nd: torch.Tensor,
+                sin_nd: torch.Tensor, pool, plan) -> torch.Tensor:
+        """x_nd [N, hidden] -> [N, hidden]; see ``Family.forward``."""
+        n = x_nd.shape[0]
         d = head_dim_of(attn.config)
         q_nhd = attn.q_proj(x_nd).view(n, -1, d)
         k_nhd = attn.k_proj(x_nd).view(n, -1, d)
@@ -128,10 +113,6 @@ class GQAFamily:
         if getattr(attn, "q_norm", None) is not None:
             q_nhd, k_nhd = attn.q_norm(q_nhd), attn.k_norm(k_nhd)
         rope = self.ropes[attn.config.model_type]
-        q_nhd, k_nhd = rope(q_nhd, k_nhd, cos, sin, unsqueeze_dim=1)
-        out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, cache.pool, plan)
-        out_nd = attn.o_proj(out_nhd.reshape(n, -1))
-        if index is not None:
-            full = out_nd.new_zeros(b * s, out_nd.shape[-1])
-            out_nd = full.index_copy(0, index, out_nd[:index.shape[0]])
-        return out_nd.view(b, s, -1), None
+        q_nhd, k_nhd = rope(q_nhd, k_nhd, cos_nd, sin_nd, unsqueeze_dim=1)
+        out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, pool, plan)
+        return attn.o_proj(out_nhd.reshape(n, -1))

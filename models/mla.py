@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from torch_cp.attention.backend import AttentionGeometry
-from torch_cp.cache import paged_cache_from
 from torch_cp.mesh import KVHeadLayout
 from torch_cp.placement import ContextParallel
 from torch_cp.tp import keep_in_features, keep_out_features
@@ -105,36 +104,11 @@ class MLAFamily:
         keep_in_features(attn.o_proj, _head_rows(heads, attn.v_head_dim))
         attn.num_heads = per_rank
 
-    def forward(self, attn: nn.Module, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], cache, **kwargs
-                ) -> tuple[torch.Tensor, None]:
-        """Absorbed MLA over ``cache.pool`` (an ``MLAPool``) with ``cache.plan``; ``cache`` is the
-        ``PagedKVCache`` the model was called with.
-
-        hidden_states: [B, S, hidden]; position_embeddings: (cos, sin), [B or 1, S, rope] each.
-        Returns ([B, S, hidden], None); tokens outside ``plan.token_index`` get zeros.
-        """
-        cache = paged_cache_from(cache)
-        plan = cache.plan
-        batch, seq, hidden = hidden_states.shape
-        cos, sin = (t.expand(batch, seq, t.shape[-1]).reshape(batch * seq, -1)
-                    for t in position_embeddings)
-        x_nd = hidden_states.reshape(batch * seq, hidden)
-        if plan.token_index is not None:
-            x_nd, cos, sin = x_nd[plan.token_index], cos[plan.token_index], sin[plan.token_index]
-        if x_nd.shape[0] != plan.positions.shape[0]:
-            raise ValueError(f"the step plan has {plan.positions.shape[0]} tokens but the model "
-                             f"input gives {x_nd.shape[0]}: pass token_index for a padded input")
-        out_nd = self._attend(attn, x_nd, cos, sin, cache.pool, plan)
-        if plan.token_index is None:
-            return out_nd.view(batch, seq, -1), None
-        full = out_nd.new_zeros(batch * seq, out_nd.shape[-1])
-        full.index_copy_(0, plan.token_index, out_nd)
-        return full.view(batch, seq, -1), None
-
-    def _attend(self, attn: nn.Module, x_nd: torch.Tensor, cos_nd: torch.Tensor,
+    def forward(self, attn: nn.Module, x_nd: torch.Tensor, cos_nd: torch.Tensor,
                 sin_nd: torch.Tensor, pool, plan) -> torch.Tensor:
-        """Projections, RoPE, placed latent attention and output projection of N packed tokens."""
+        """Absorbed MLA of N packed tokens over ``pool`` (an ``MLAPool``) with ``plan``:
+        projections, RoPE, placed latent attention, W_UV and ``o_proj``; x_nd [N, hidden] ->
+        [N, hidden] (see ``Family.forward``)."""
         n = x_nd.shape[0]
         nope, rope, rank = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
         if attn.q_proj is not None:

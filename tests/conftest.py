@@ -1,7 +1,19 @@
-"""Skip tests marked ``gpu`` on a machine without CUDA; run the suite on one intra-op thread."""
+"""Shared set-up of the suite: the helper modules (tests/helpers) importable from every folder,
+tests marked ``gpu`` skipped without CUDA, one intra-op thread.
+
+The folders mirror the package: core/ (placement, plan, mesh, configuration), kv/, attention/,
+hf/ (patching, the cache, model.generate), models/ (the families), engine/, graphs/ and
+project/ (layering, private hooks, benchmarks, notebook, the NCCL launcher).
+"""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+sys.path.insert(0, str(HELPERS))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,11 @@
-"""torch_cp: context parallelism over a placed paged KV cache for Hugging Face Qwen and GLM."""
+"""torch_cp: context parallelism over a placed paged KV cache for Hugging Face Qwen and GLM.
+
+The parts: the core (``placement``, ``mesh``, ``plan``, ``kv``, ``attention``), the Hugging Face
+bridge (``torch_cp.hf``: patch_model, the paged Cache, model.generate), the engine
+(``torch_cp.engine``: requests, scheduler, steps, sampling, generate), plus ``torch_cp.models``
+(one file per family) and ``torch_cp.graphs`` (CUDA-graph buckets, compiled layers). The command
+line is ``python -m torch_cp``. See docs/architecture.md.
+"""
 
 from torch_cp.attention import (
     AttentionGeometry,
@@ -8,21 +15,26 @@ from torch_cp.attention import (
     TorchBackend,
     merge_partials,
 )
-from torch_cp.cache import PagedKVCache
-from torch_cp.engine import Engine, Result, generate
-from torch_cp.hf_generate import GenerateCache, install_generate, new_cache
+from torch_cp.engine import Engine, Result, SamplingParams, generate
+from torch_cp.engine.memory import kv_bytes_per_rank
+from torch_cp.hf import (
+    GenerateCache,
+    PagedKVCache,
+    install_generate,
+    new_cache,
+    patch_model,
+    unpatch_model,
+)
 from torch_cp.kv import GQAPool, MLAPool, PageAllocator
-from torch_cp.memory import kv_bytes_per_rank
 from torch_cp.mesh import init_mesh, kv_head_replicas, partner_placement
-from torch_cp.patch import patch_model, unpatch_model
 from torch_cp.placement import ContextParallel
-from torch_cp.plan import StepPlan, build_step_plan
-from torch_cp.sampling import SamplingParams
-from torch_cp.scheduler import StepRefused
+from torch_cp.plan import Bucket, StepPlan, StepRefused, build_step_plan
+from torch_cp.runtime import ModelRuntime
 from torch_cp.tiny import tiny_qwen3
 
 __all__ = [
     "AttentionGeometry",
+    "Bucket",
     "ContextParallel",
     "ContextParallelAttention",
     "Engine",
@@ -30,6 +42,7 @@ __all__ = [
     "GQAPool",
     "GenerateCache",
     "MLAPool",
+    "ModelRuntime",
     "PageAllocator",
     "PagedKVCache",
     "Partial",

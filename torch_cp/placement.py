@@ -21,6 +21,16 @@ import torch.distributed as dist
 Mode = Literal["tp", "sp"]
 
 
+def page_size_problems(page_size, partners: int) -> list[str]:
+    """Why ``page_size`` cannot be striped over ``partners`` ranks (the one place this rule
+    lives: validation, pools, plans, engines and sizing all ask it)."""
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        return [f"page_size must be a positive int, got {page_size!r}"]
+    if page_size % partners:
+        return [f"page_size {page_size} is not a multiple of P = {partners}"]
+    return []
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """One rank's view of a placed pool.
@@ -56,13 +66,14 @@ class ContextParallel:
         """The trivial placement: one partner holds everything."""
         return ContextParallel(size=1, rank=0)
 
-    def check_page_size(self, page_size: int) -> None:
-        if page_size % self.size != 0:
-            raise ValueError(f"page_size {page_size} is not a multiple of P = {self.size}")
+    def page_size_problems(self, page_size) -> list[str]:
+        return page_size_problems(page_size, self.size)
 
     def local_page_size(self, page_size: int) -> int:
         """Slots of a physical page: ``page_size // P``."""
-        self.check_page_size(page_size)
+        problems = self.page_size_problems(page_size)
+        if problems:
+            raise ValueError(problems[0])
         return page_size // self.size
 
     # Slot math. Works on ints and on integer tensors alike.

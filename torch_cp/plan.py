@@ -1,83 +1,69 @@
 """The step plan: everything one forward step needs that is not a weight.
 
 Built once per step on the host from logical data every partner shares (query lengths, context
-lengths, page tables) plus this partner's placement, then read by every attention layer.
+lengths, page tables) plus this partner's placement, then read by every attention layer. A step
+replayed from a captured CUDA graph carries its ``Bucket``; a backend that refuses a step raises
+``StepRefused`` while planning it.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from torch_cp.kv.tables import PagedIndptrs, dense_table, paged_indptrs
 from torch_cp.placement import ContextParallel
 
 
-@dataclass(frozen=True)
-class PagedIndptrs:
-    """One partner's physical paged view of some per-row KV lengths, in FlashInfer's CSR form.
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A captured step shape.
 
-    Attributes:
-        lens: [B] int32, KV tokens this partner holds for each row.
-        indptr: [B + 1] int32, row b's pages are ``indices[indptr[b]:indptr[b + 1]]``.
-        indices: [nnz] int32 page ids.
-        last_page_len: [B] int32, slots used in each row's last page (0 for an empty row).
-        table: [B, max_pages] int32 the same pages as a dense table, padded with the sink page.
+    A decode bucket (``tokens == rows``) holds up to ``rows`` one-token rows; a mixed bucket
+    (``tokens > rows``) up to ``rows`` rows of up to ``tokens`` tokens in all. Every row's page
+    table is ``table_width = max_pages // rows`` pages wide, so a step of the bucket holds at most
+    ``max_pages`` page ids (what graph-ready kernels size their buffers for).
     """
 
-    lens: torch.Tensor
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    last_page_len: torch.Tensor
-    table: torch.Tensor
+    rows: int
+    tokens: int
+    max_pages: int
 
-    def to(self, device) -> PagedIndptrs:
-        return PagedIndptrs(*(t.to(device) for t in (self.lens, self.indptr, self.indices,
-                                                     self.last_page_len, self.table)))
+    def __post_init__(self):
+        problems = []
+        if not 1 <= self.rows <= self.tokens:
+            problems.append(f"needs tokens >= rows >= 1, got {self.rows} rows, {self.tokens} "
+                            f"tokens")
+        if self.rows >= 1 and (self.max_pages < self.rows or self.max_pages % self.rows):
+            problems.append(f"max_pages {self.max_pages} is not a positive multiple of rows "
+                            f"{self.rows}")
+        if problems:
+            raise ValueError("invalid bucket: " + "; ".join(problems))
 
+    @property
+    def decode(self) -> bool:
+        return self.rows == self.tokens
 
-def dense_table(page_tables: Sequence[Sequence[int]] | torch.Tensor, sink_page: int,
-                width: int | None = None) -> torch.Tensor:
-    """[B, width] int64 page table padded with the sink page (width: the longest table)."""
-    if isinstance(page_tables, torch.Tensor):
-        table = page_tables.to(torch.int64)
-        if width is not None and width != table.shape[1]:
-            raise ValueError(f"a page table of {table.shape[1]} pages is not {width} wide")
-        return table
-    counts = torch.tensor([len(t) for t in page_tables], dtype=torch.int64)
-    longest = int(counts.max()) if len(page_tables) else 0
-    if width is not None and width < longest:
-        raise ValueError(f"a page table of {longest} pages exceeds table_width {width}")
-    width = max(1, longest) if width is None else width
-    table = torch.full((len(page_tables), width), sink_page, dtype=torch.int64)
-    if any(isinstance(t, torch.Tensor) for t in page_tables):
-        # Tables held as tensors (PageAllocator.table_tensor): one copy, however long they are.
-        flat = torch.cat([t.to(torch.int64) if isinstance(t, torch.Tensor)
-                          else torch.tensor(t, dtype=torch.int64) for t in page_tables])
-    else:
-        flat = torch.tensor(list(itertools.chain.from_iterable(page_tables)), dtype=torch.int64)
-    table[torch.arange(width) < counts[:, None]] = flat
-    return table
+    @property
+    def table_width(self) -> int:
+        return self.max_pages // self.rows
+
+    def fits(self, rows: int, tokens: int, decode: bool, table_width: int) -> bool:
+        """Whether a step of ``rows`` rows, ``tokens`` tokens and page tables up to
+        ``table_width`` long can replay this bucket."""
+        return (decode == self.decode and rows <= self.rows and tokens <= self.tokens
+                and table_width <= self.table_width)
 
 
-def paged_indptrs(
-    lens: torch.Tensor, page_tables: Sequence[Sequence[int]] | torch.Tensor, page_size: int,
-    sink_page: int, table_width: int | None = None,
-) -> PagedIndptrs:
-    """CSR over pages of ``page_size`` slots for rows of ``lens`` tokens (host tensors); the dense
-    table is ``table_width`` pages wide (default: the longest page table)."""
-    lens = lens.to(torch.int64)
-    table = dense_table(page_tables, sink_page, table_width)
-    pages = (lens + page_size - 1) // page_size
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(pages, 0)
-    indices = table[torch.arange(table.shape[1]) < pages[:, None]]
-    last = torch.where(lens > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
-    i32 = torch.int32
-    return PagedIndptrs(lens.to(i32), indptr.to(i32), indices.to(i32), last.to(i32),
-                        table.to(i32))
+class StepRefused(Exception):
+    """A backend refuses a step as too large; the engine retries it with fewer rows or tokens.
+
+    Raise it (or a subclass, e.g. FlashInfer MLA's planner-cap refusal) from ``backend.plan``,
+    before any KV is written, and decide it from data every partner shares (query lengths), so
+    that all partners refuse together.
+    """
 
 
 @dataclass(frozen=True)
@@ -86,7 +72,8 @@ class StepPlan:
 
     Rows are sequences; tokens are the flattened new tokens of all rows, row after row
     (``qo_indptr``), followed by any padding tokens up to the bucket. Padding rows (past
-    ``num_rows``) have no context and write to the sink page.
+    ``num_rows``) have no context and write to the sink page: the plan's paged views hold the
+    real rows' pages only.
 
     Attributes:
         num_rows: real rows. ``q_lens.shape[0]`` may be larger (padding rows).
@@ -98,7 +85,8 @@ class StepPlan:
         write_index: [N] int64 flat physical slot (``page * local_page_size + slot``) this partner
             writes each token's K/V to; non-owned and padding tokens go to the sink page.
         context: this partner's paged view of the KV each row attends from the pool: ``ctx + q``
-            tokens for a decode step (the new token is written first), ``ctx`` tokens otherwise.
+            tokens for a decode step (the new token is written first), ``ctx`` tokens otherwise;
+            none for padding rows.
         context_host: the same on the host, for kernels that plan from host indptrs.
         qo_indptr_host: [B + 1] int32 on the host.
         is_decode: every real row adds exactly one token and there is no token padding; the step
@@ -108,9 +96,7 @@ class StepPlan:
         token_index: [num_tokens] int64 index of each real token in the model's flattened
             ``[batch * seq]`` input when that input is not packed (``model.generate`` with padded
             rows); ``None`` when the input is the packed tokens themselves.
-        graph_bucket: (rows, tokens, max_pages) of the captured CUDA-graph bucket this step
-            replays (its shape and the page ids its kernels were sized for), or
-            None for an eager step; backends keep graph-ready kernels per bucket.
+        bucket: the captured shape this step is padded to and replays, or None (eager).
     """
 
     num_rows: int
@@ -130,18 +116,13 @@ class StepPlan:
     sink_page: int
     placement: ContextParallel
     token_index: torch.Tensor | None = None
-    graph_bucket: tuple[int, int, int] | None = None
+    bucket: Bucket | None = None
 
     @property
-    def kv_lens(self) -> torch.Tensor:
-        return self.ctx_lens + self.q_lens
-
-    def context_only(self) -> StepPlan:
-        """The same step with rows attending only their cached context from the pool."""
-        lens = self.placement.local_length(self.ctx_lens.cpu())
-        host = paged_indptrs(lens, self.context_host.table, self.local_page_size, self.sink_page)
-        return replace(self, context=host.to(self.positions.device), context_host=host,
-                       is_decode=False)
+    def page_ids(self) -> torch.Tensor:
+        """[nnz] int32 page ids of the context on the device (a captured step's buffer holds a
+        bucket's worth; this is the prefix the step uses)."""
+        return self.context.indices[: self.context_host.indices.numel()]
 
 
 def _upload(host: list[torch.Tensor], device: torch.device
@@ -168,10 +149,8 @@ def build_step_plan(
     sink_page: int,
     placement: ContextParallel | None = None,
     device: torch.device | str = "cpu",
-    pad_rows_to: int | None = None,
-    pad_tokens_to: int | None = None,
+    bucket: Bucket | None = None,
     token_index: torch.Tensor | None = None,
-    table_width: int | None = None,
 ) -> StepPlan:
     """Build the step plan for one partner.
 
@@ -182,17 +161,14 @@ def build_step_plan(
         page_size: logical page size (a multiple of P).
         sink_page: the reserved physical page non-owners and padding write to.
         placement: this partner's placement (default: one partner).
-        pad_rows_to, pad_tokens_to: bucket sizes; padding rows have one token (decode) or none.
+        bucket: pad the step to this captured shape: padding rows of one token (decode bucket)
+            or none (mixed bucket, whose token padding follows the last row); page tables
+            ``bucket.table_width`` wide.
         token_index: see ``StepPlan.token_index``.
-        table_width: pages in each row of the dense page table (a bucket fixes it).
     """
     placement = placement or ContextParallel.single()
     rows = len(q_lens)
-    problems = []
-    try:
-        local_page = placement.local_page_size(page_size)
-    except ValueError as e:
-        problems.append(str(e))
+    problems = placement.page_size_problems(page_size)
     if not (rows == len(ctx_lens) == len(page_tables)):
         problems.append("q_lens, ctx_lens and page_tables must have one entry per row")
     if any(q < 1 for q in q_lens):
@@ -200,23 +176,26 @@ def build_step_plan(
     for b, (q, c, t) in enumerate(zip(q_lens, ctx_lens, page_tables)):
         if len(t) * page_size < q + c:
             problems.append(f"row {b}: {len(t)} pages cannot hold {q + c} tokens")
-    if problems:
-        raise ValueError("invalid step: " + "; ".join(problems))
     is_decode = all(q == 1 for q in q_lens)
     num_tokens = sum(q_lens)
-    padded_rows = max(pad_rows_to or rows, rows)
-    if is_decode:
-        padded_tokens = padded_rows
-        if pad_tokens_to not in (None, padded_rows):
-            is_decode = False  # token padding past the rows: attend own tokens apart
-            padded_tokens = max(pad_tokens_to, num_tokens)
-    else:
-        padded_tokens = max(pad_tokens_to or num_tokens, num_tokens)
+    if bucket is not None:
+        width = max((len(t) for t in page_tables), default=0)
+        if not bucket.fits(rows, num_tokens, is_decode and bucket.decode, width):
+            problems.append(f"a step of {rows} rows, {num_tokens} tokens "
+                            f"({'decode' if is_decode else 'multi-token'}) and page tables up "
+                            f"to {width} pages does not fit {bucket}")
+    if problems:
+        raise ValueError("invalid step: " + "; ".join(problems))
+    local_page = page_size // placement.size
+    padded_rows = bucket.rows if bucket is not None else rows
+    if bucket is not None and not bucket.decode:
+        is_decode = False  # token padding past the rows: attend own tokens apart
+    padded_tokens = bucket.tokens if bucket is not None else num_tokens
     pad_q = 1 if is_decode else 0
     q_t = torch.tensor(list(q_lens) + [pad_q] * (padded_rows - rows), dtype=torch.int64)
     c_t = torch.tensor(list(ctx_lens) + [0] * (padded_rows - rows), dtype=torch.int64)
     table = dense_table(list(page_tables) + [[sink_page]] * (padded_rows - rows), sink_page,
-                        table_width)
+                        None if bucket is None else bucket.table_width)
     qo_indptr = torch.zeros(padded_rows + 1, dtype=torch.int64)
     qo_indptr[1:] = torch.cumsum(q_t, 0)
 
@@ -235,6 +214,7 @@ def build_step_plan(
     write_index = physical_pages * local_page + slots
 
     attend = c_t + q_t if is_decode else c_t
+    attend[rows:] = 0  # padding rows attend nothing: no kernel reads the sink page for them
     host = paged_indptrs(placement.local_length(attend), table, local_page, sink_page)
     dev = torch.device(device)
     i32 = torch.int32
@@ -261,4 +241,5 @@ def build_step_plan(
         sink_page=sink_page,
         placement=placement,
         token_index=None if token_index is None else token_index.to(dev),
+        bucket=bucket,
     )

@@ -1,8 +1,9 @@
-"""What a patched model carries: its placement, exchange, backend and pool geometry."""
+"""What a patched model carries: its placement, TP split, exchange, backend and pool geometry."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,7 +11,9 @@ from torch_cp.attention.backend import AttentionBackend, AttentionGeometry
 from torch_cp.attention.exchange import Exchange
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.placement import ContextParallel
-from torch_cp.plan import StepPlan
+
+if TYPE_CHECKING:
+    from torch_cp.models.base import Family
 
 
 @dataclass
@@ -20,10 +23,14 @@ class ModelRuntime:
     Attributes:
         placement: this rank's placement (P = 1 without context parallelism).
         exchange: the partner collectives (records them when ``exchange.records`` is a list).
-        backend: the partial-attention backend; planned once per step by ``begin_step``.
+        backend: the partial-attention backend; planned once per step (``PagedKVCache``).
         geometry: per-rank attention shapes (GQA or absorbed MLA).
         num_layers: attention layers that use the pool (layer index = pool index).
         dtype, device: of the pool.
+        page_size: the logical page size patch_model checked against P; pools default to it.
+        tp, tp_rank, tp_group: the tensor-parallel split (tp = 1: not sharded).
+        family: the model family that patched the attention modules (None: built by hand).
+        originals: (attention module, its own forward) pairs that ``unpatch_model`` restores.
     """
 
     placement: ContextParallel
@@ -33,16 +40,32 @@ class ModelRuntime:
     num_layers: int
     dtype: torch.dtype
     device: torch.device
+    page_size: int = 16
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: object | None = None
+    family: Family | None = None
+    originals: list = field(default_factory=list, repr=False)
 
-    def new_pool(self, num_pages: int, page_size: int) -> GQAPool | MLAPool:
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether one step of this model runs on more than one rank (partners or TP)."""
+        return self.placement.size > 1 or self.tp > 1
+
+    def new_pool(self, num_pages: int, page_size: int | None = None) -> GQAPool | MLAPool:
         """A placed pool of ``num_pages`` logical pages (plus the sink page) for every layer."""
         g = self.geometry
+        page_size = self.page_size if page_size is None else page_size
         if g.kind == "gqa":
             return GQAPool(self.num_layers, num_pages, page_size, g.kv_heads, g.head_dim,
                            self.placement, self.dtype, self.device)
         return MLAPool(self.num_layers, num_pages, page_size, g.kv_lora_rank, g.rope_dim,
                        self.placement, self.dtype, self.device)
 
-    def begin_step(self, plan: StepPlan) -> None:
-        """Plan the backend for one step (host side, outside any graph capture)."""
-        self.backend.plan(plan)
+
+def runtime_of(model) -> ModelRuntime:
+    """``model.torch_cp``; ValueError when ``model`` was not patched (the one place saying so)."""
+    runtime = getattr(model, "torch_cp", None)
+    if not isinstance(runtime, ModelRuntime):
+        raise ValueError("the model is not patched: call torch_cp.patch_model(model, ...) first")
+    return runtime

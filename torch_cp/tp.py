@@ -21,14 +21,15 @@ Embeddings, norms and ``lm_head`` stay replicated. Sharding is one-way: dropped 
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+
+from torch_cp import compat
 
 
 def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     """Sum ``t`` over ``group`` with a traceable functional collective."""
-    return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
+    return compat.wait_tensor(compat.all_reduce(t, "sum", group))
 
 
 def _shard(tensor: torch.Tensor, dim: int, index: slice | torch.Tensor) -> nn.Parameter:

@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 import torch
 
 from torch_cp.attention.partial import Partial
-from torch_cp.plan import StepPlan
+from torch_cp.plan import Bucket, StepPlan
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,31 @@ class AttentionGeometry:
 class AttentionBackend(Protocol):
     """Computes partials over this partner's slots (context) and over a step's own tokens.
 
-    ``plan`` runs once per step, on the host, outside any graph capture; ``run_*`` run per layer
-    and must not read anything from the host.
+    ``add_bucket`` runs once per captured shape, before the capture; ``plan`` once per step, on
+    the host, outside any graph capture (it picks the kernels of ``plan.bucket``); ``run_*`` per
+    layer, reading nothing from the host.
+
+    Attributes:
+        name: ``"torch"`` or ``"flashinfer"``.
+        geometry: this rank's attention shapes.
+        dtype: query and pool dtype (``None``: any).
     """
 
     name: str
     geometry: AttentionGeometry
+    dtype: torch.dtype | None
+
+    def add_bucket(self, bucket: Bucket) -> None:
+        """Make kernels that a CUDA graph of ``bucket``'s steps can capture (idempotent)."""
+        ...
 
     def plan(self, plan: StepPlan) -> None: ...
 
-    def run_context(self, q: torch.Tensor, pool, layer_idx: int) -> Partial:
-        """q [N, context_q_heads, head_dim] over this partner's pool slots of each token's row."""
+    def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
+                    ) -> Partial:
+        """q [N, context_q_heads, head_dim] over this partner's slots of each token's row, in
+        layer ``layer_idx`` of the pool tensors ``caches`` (``GQAPool.tensors``: ``[kv]``;
+        ``MLAPool.tensors``: ``[ckv, kpe]``)."""
         ...
 
     def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:

@@ -17,13 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
+from torch_cp import compat
 from torch_cp.attention.partial import Partial
 from torch_cp.placement import ContextParallel
-
-# torch 2.13 renamed all_gather_tensor (2.11 on the GPU machine has only the old name).
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 @dataclass(frozen=True)
@@ -52,14 +49,15 @@ class Exchange:
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[X, ...] -> [P, X, ...] with partner p's tensor at index p."""
         self._record("all_gather", t)
-        gather = lambda x: funcol.wait_tensor(_all_gather(x.contiguous(), 0, self.placement.group))
+        group = self.placement.group
+        gather = lambda x: compat.wait_tensor(compat.all_gather(x.contiguous(), 0, group))
         return self._staged(gather, t).view(self.placement.size, *t.shape)
 
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """[P, X, ...] -> [P, X, ...]: chunk p goes to partner p; index p then holds partner
         p's chunk."""
         self._record("all_to_all", t)
-        return self._staged(lambda x: funcol.wait_tensor(funcol.all_to_all_single(
+        return self._staged(lambda x: compat.wait_tensor(compat.all_to_all_single(
             x.contiguous(), None, None, self.placement.group)), t)
 
     def gather_heads(self, q_nhd: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,7 @@ written first). A multi-token step's own tokens run through a second MLA wrapper
 page-size-1 view of the step's own ``ckv``/``kpe`` (page i is token i: zero copies, prebuilt
 kernels, FA3 on Hopper). Where FlashInfer 0.7.2's causal MLA kernels would drop a key (its query
 tile is not a multiple of the head count, e.g. 20 heads) the own tokens fall back to a chunked
-dense torch kernel. Padding follows ``flashinfer_gqa``: padding rows get no pages, token padding
-is one more planned row, padding tokens' own K/V are zeroed.
+dense torch kernel. Padding: see ``flashinfer_common``.
 
 FlashInfer's FA MLA planner refuses more than 16384 work items. ``mla_work_items`` bounds the
 count from query lengths alone, so every partner refuses the same step before planning
@@ -19,26 +18,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from torch_cp.attention.backend import AttentionGeometry
-from torch_cp.attention.flashinfer_gqa import (
-    WORKSPACE_BYTES,
-    _PlanFence,
-    check_bucket,
-    real_rows_view,
+from torch_cp.attention.flashinfer_common import (
+    FlashInferBackend,
+    PlanFence,
     real_token_mask,
     staged,
     with_token_padding_row,
 )
 from torch_cp.attention.partial import Partial
-from torch_cp.plan import StepPlan
-from torch_cp.scheduler import StepRefused
-
-if TYPE_CHECKING:
-    from torch_cp.graphs.buckets import Bucket
+from torch_cp.plan import Bucket, StepPlan, StepRefused
 
 FA_MAX_WORK_ITEMS = 16384
 LN2 = math.log(2.0)
@@ -130,7 +122,7 @@ def dense_own_mla(q: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, real: t
     return Partial(torch.cat(outs), torch.cat(lses))
 
 
-class FlashInferMLABackend:
+class FlashInferMLABackend(FlashInferBackend):
     """FlashInfer partials over this partner's slots of an ``MLAPool`` (see ``AttentionBackend``).
 
     Args:
@@ -140,21 +132,12 @@ class FlashInferMLABackend:
         fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
         own_tokens: ``"auto"`` (FlashInfer where it plans causal MLA exactly, else torch),
             ``"flashinfer"`` or ``"torch"``.
-        graph_bucket: make the wrappers CUDA-graph ready with fixed buffers for this bucket
-            (``torch_cp.graphs.Bucket``), holding up to ``graph_max_pages`` page ids.
     """
-
-    name = "flashinfer"
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
                  dtype: torch.dtype = torch.bfloat16, fa_backend: str | None = None,
-                 own_tokens: str = "auto", graph_bucket: Bucket | None = None,
-                 graph_max_pages: int = 0):
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-
+                 own_tokens: str = "auto"):
         problems = []
-        if graph_bucket is not None and graph_max_pages < 1:
-            problems.append(f"a graph bucket needs graph_max_pages >= 1, got {graph_max_pages}")
         if geometry.kind != "mla":
             problems.append(f"geometry kind is {geometry.kind!r}, not 'mla'")
         if geometry.head_dim != geometry.kv_lora_rank + geometry.rope_dim:
@@ -164,46 +147,38 @@ class FlashInferMLABackend:
                             f"got {own_tokens!r}")
         if problems:
             raise ValueError("FlashInferMLABackend: " + "; ".join(problems))
-        self.geometry = geometry
-        self.device = torch.device(device)
-        self.dtype = dtype
-        props = torch.cuda.get_device_properties(self.device)
+        props = torch.cuda.get_device_properties(torch.device(device))
         self.num_sms = props.multi_processor_count
         self.fa_backend = fa_backend or ("fa3" if props.major == 9 else "fa2")
         self.own_tokens = own_tokens
+        super().__init__(geometry, device, dtype)
+
+    def make_kernels(self, bucket: Bucket | None) -> _MLAKernels:
+        return _MLAKernels(self, bucket)
+
+
+class _MLAKernels:
+    """The wrappers of one step shape: eager (``bucket`` None) or graph-ready for ``bucket``.
+    One context wrapper per step kind: their indptrs differ by the token-padding row."""
+
+    def __init__(self, backend: FlashInferMLABackend, bucket: Bucket | None):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+        self.geometry, self.dtype = backend.geometry, backend.dtype
+        self.num_sms, self.own_tokens = backend.num_sms, backend.own_tokens
         self._metadata = MLAPlanMetadata
-        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        # One context wrapper per step kind: their indptrs differ by the token-padding row.
-        self.graph_bucket = graph_bucket
-        self.graph_max_pages = graph_max_pages
-        buffers = self._graph_buffers(graph_bucket)
+        buffers = _graph_buffers(bucket, backend.device) if bucket is not None else {}
         self._wrappers = {
             name: BatchMLAPagedAttentionWrapper(
-                self._workspace, use_cuda_graph=graph_bucket is not None, backend=self.fa_backend,
-                **buffers.get(name, {}))
+                backend.workspace, use_cuda_graph=bucket is not None,
+                backend=backend.fa_backend, **buffers.get(name, {}))
             for name in ("decode", "context", "own")}
-        self._fences = {name: _PlanFence(self.device) for name in self._wrappers}
-        self._plan: StepPlan | None = None
+        self._fences = {name: PlanFence(backend.device) for name in self._wrappers}
+        self._is_decode = True
         self._own_on_flashinfer = False
         self._real: torch.Tensor | None = None  # [N] tokens of real rows
         self._padding: torch.Tensor | None = None  # [N, 1] the others
         self._token_row: torch.Tensor | None = None  # [N] plan.token_row
-
-    def _graph_buffers(self, bucket: Bucket | None) -> dict:
-        if bucket is None:
-            return {}
-
-        def csr(rows: int, indices: int) -> dict:
-            i32 = dict(dtype=torch.int32, device=self.device)
-            return dict(qo_indptr=torch.zeros(rows + 1, **i32),
-                        kv_indptr=torch.zeros(rows + 1, **i32),
-                        kv_indices=torch.zeros(indices, **i32),
-                        kv_len_arr=torch.zeros(rows, **i32))
-
-        rows = bucket.rows + 1  # the token-padding row of multi-token steps
-        pages = self.graph_max_pages
-        return {"decode": csr(bucket.rows, pages), "context": csr(rows, pages),
-                "own": csr(rows, bucket.tokens)}
 
     def _plan_wrapper(self, name: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int,
@@ -221,14 +196,10 @@ class FlashInferMLABackend:
     def plan(self, plan: StepPlan) -> None:
         """Plan the step from host indptrs; ``PlannerCapExceeded`` before planning anything."""
         g = self.geometry
-        check_bucket(plan, self.graph_bucket, self.graph_max_pages)
-        ctx = real_rows_view(plan.context_host, plan.num_rows)
         if plan.is_decode:
-            qo, kv_indptr, kv_lens = plan.qo_indptr_host, ctx.indptr, ctx.lens
+            qo, ctx = plan.qo_indptr_host, plan.context_host
         else:
-            qo = with_token_padding_row(plan.qo_indptr_host, plan.positions.shape[0])
-            kv_indptr = torch.cat((ctx.indptr, ctx.indptr[-1:]))
-            kv_lens = torch.cat((ctx.lens, ctx.lens.new_zeros(1)))
+            qo, ctx = with_token_padding_row(plan)
         q_lens_t = (qo[1:] - qo[:-1]).to(torch.int32)
         q_lens = q_lens_t.tolist()
         check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
@@ -238,7 +209,7 @@ class FlashInferMLABackend:
         if own:
             check_mla_work_items(q_lens, g.q_heads, self.num_sms, plan.num_rows)
         name = "decode" if plan.is_decode else "context"
-        self._plan_wrapper(name, qo, kv_indptr, ctx.indices, kv_lens, g.context_q_heads,
+        self._plan_wrapper(name, qo, ctx.indptr, ctx.indices, ctx.lens, g.context_q_heads,
                            plan.local_page_size, causal=False)
         if own:
             tokens = torch.arange(int(qo[-1]), dtype=torch.int32)
@@ -248,24 +219,24 @@ class FlashInferMLABackend:
             self._real = staged(self._real, real_token_mask(plan))
             self._padding = staged(self._padding, ~self._real.unsqueeze(-1))
             self._token_row = staged(self._token_row, plan.token_row)
-        self._plan = plan
+        self._is_decode = plan.is_decode
 
     def _split(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.geometry.kv_lora_rank
         return q[..., :r], q[..., r:]
 
-    def run_context(self, q: torch.Tensor, pool, layer_idx: int) -> Partial:
+    def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
+                    ) -> Partial:
         """q [N, context_q_heads, R + rope] over this partner's slots -> Partial [N, H, R]."""
-        assert self._plan is not None, "plan() must run before run_context()"
-        wrapper = self._wrappers["decode" if self._plan.is_decode else "context"]
-        out, lse = wrapper.run(query=self._split(q), kv_cache=pool.layer(layer_idx),
+        wrapper = self._wrappers["decode" if self._is_decode else "context"]
+        ckv, kpe = caches
+        out, lse = wrapper.run(query=self._split(q), kv_cache=(ckv[layer_idx], kpe[layer_idx]),
                                return_lse=True)
         return Partial(out, lse)
 
     def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
         """q [N, q_heads, R + rope] over own tokens, causally; k = ckv [N, R], v = kpe [N, rope]."""
-        plan = self._plan
-        assert plan is not None and not plan.is_decode, "run_own() needs a planned multi-token step"
+        assert not self._is_decode, "run_own() needs a planned multi-token step"
         if not self._own_on_flashinfer:
             return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale)
         ckv = k.masked_fill(self._padding, 0).unsqueeze(1)  # [N, 1, R]: page i holds token i
@@ -273,3 +244,18 @@ class FlashInferMLABackend:
         out, lse = self._wrappers["own"].run(query=self._split(q), kv_cache=(ckv, kpe),
                                              return_lse=True)
         return Partial(out, lse)
+
+
+def _graph_buffers(bucket: Bucket, device: torch.device) -> dict:
+    """Fixed plan buffers of a bucket's wrappers (multi-token steps: one more row, the token
+    padding's)."""
+    def csr(rows: int, indices: int) -> dict:
+        i32 = dict(dtype=torch.int32, device=device)
+        return dict(qo_indptr=torch.zeros(rows + 1, **i32),
+                    kv_indptr=torch.zeros(rows + 1, **i32),
+                    kv_indices=torch.zeros(indices, **i32),
+                    kv_len_arr=torch.zeros(rows, **i32))
+
+    return {"decode": csr(bucket.rows, bucket.max_pages),
+            "context": csr(bucket.rows + 1, bucket.max_pages),
+            "own": csr(bucket.rows + 1, bucket.tokens)}

@@ -91,11 +91,10 @@ def flashinfer_merge(out_snhd: torch.Tensor, lse_snh: torch.Tensor) -> Partial:
 
 
 def _flashinfer_merges(backend) -> bool:
-    return backend.name == "flashinfer" and getattr(backend, "dtype", None) in (torch.bfloat16,
-                                                                                torch.float16)
+    return backend.name == "flashinfer" and backend.dtype in (torch.bfloat16, torch.float16)
 
 
-def merge_states_applies(geometry: AttentionGeometry, dtype: torch.dtype) -> bool:
+def merge_states_applies(geometry: AttentionGeometry, dtype: torch.dtype | None) -> bool:
     """Whether ``merge_states`` launches for this rank's merged heads (``q_heads``)."""
     limit = MERGE_STATES_MAX_HEADS.get(geometry.head_dim_v, 0)
     return dtype in (torch.bfloat16, torch.float16) and geometry.q_heads <= limit
@@ -103,8 +102,7 @@ def merge_states_applies(geometry: AttentionGeometry, dtype: torch.dtype) -> boo
 
 def partner_merge(backend) -> Callable[[torch.Tensor, torch.Tensor], Partial]:
     """The merge of P partners' partials for layers run by ``backend``."""
-    dtype = getattr(backend, "dtype", None)
-    if _flashinfer_merges(backend) and merge_states_applies(backend.geometry, dtype):
+    if _flashinfer_merges(backend) and merge_states_applies(backend.geometry, backend.dtype):
         return flashinfer_merge
     return merge_partials
 

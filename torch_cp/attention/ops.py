@@ -5,7 +5,8 @@ trace as ordinary torch code.
 A backend is stateful (it was planned for the step on the host), so the ops take an integer
 handle to it. The pool's tensors are inputs of the ops, which orders them after the step's pool
 write in a compiled graph; they are the whole pool with the layer's index, not a view of the
-layer, so compiled decoder layers can share one graph (``torch_cp.graphs.compile``).
+layer, so compiled decoder layers can share one graph (``torch_cp.graphs.compile``); backends
+take them as they come (``AttentionBackend.run_context``).
 """
 
 from __future__ import annotations
@@ -27,23 +28,11 @@ def register_backend(backend: AttentionBackend) -> int:
     return handle
 
 
-class _LayerTensors:
-    """Stands in for a pool inside an op that received ``pool.tensors``: ``layer(i)`` as the
-    pool's own."""
-
-    def __init__(self, caches: list[torch.Tensor]):
-        self.caches = caches
-
-    def layer(self, layer_idx: int):
-        layer = [c[layer_idx] for c in self.caches]
-        return layer[0] if len(layer) == 1 else tuple(layer)
-
-
 @torch.library.custom_op("torch_cp::context_partial", mutates_args=())
 def context_partial(q: torch.Tensor, caches: list[torch.Tensor], handle: int,
                     layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``backend.run_context``: q [N, H, Dk] over this partner's slots -> out [N, H, Dv], lse."""
-    out, lse = _BACKENDS[handle].run_context(q, _LayerTensors(caches), layer_idx)
+    out, lse = _BACKENDS[handle].run_context(q, caches, layer_idx)
     return out.contiguous(), lse.contiguous()
 
 

@@ -8,13 +8,12 @@ import logging
 import torch
 
 from torch_cp.attention.backend import AttentionGeometry
-from torch_cp.attention.bucketed import BucketedBackend
 from torch_cp.attention.flashinfer_gqa import GQA_HEAD_DIMS  # imports no flashinfer
 from torch_cp.attention.torch_ref import TorchBackend
 
 logger = logging.getLogger("torch_cp")
 
-BACKEND_NAMES = ("auto", "torch", "flashinfer")
+BACKEND_NAMES = ("auto", "torch", "flashinfer")  # what patch_model(backend=...) accepts
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 MLA_DIMS = (512, 64)  # kv_lora_rank, rope_dim
 MIN_CAPABILITY = (8, 0)
@@ -71,15 +70,11 @@ def flashinfer_problems(geometry: AttentionGeometry, device: torch.device | str,
 
 
 def _flashinfer_backend(geometry: AttentionGeometry, device: torch.device, dtype: torch.dtype):
-    """The eager FlashInfer backend, plus a graph-ready one per CUDA-graph bucket on demand."""
     if geometry.kind == "gqa":
         from torch_cp.attention.flashinfer_gqa import FlashInferGQABackend as cls
     else:
         from torch_cp.attention.flashinfer_mla import FlashInferMLABackend as cls
-    return BucketedBackend(cls(geometry, device, dtype=dtype),
-                           lambda bucket, max_pages: cls(geometry, device, dtype=dtype,
-                                                         graph_bucket=bucket,
-                                                         graph_max_pages=max_pages))
+    return cls(geometry, device, dtype=dtype)
 
 
 def make_backend(name: str, geometry: AttentionGeometry, device: torch.device | str,
@@ -98,7 +93,7 @@ def make_backend(name: str, geometry: AttentionGeometry, device: torch.device | 
     device = torch.device(device)
     if name == "torch":
         logger.info("attention backend: torch (requested)")
-        return TorchBackend(geometry)
+        return TorchBackend(geometry, dtype)
     problems = flashinfer_problems(geometry, device, dtype)
     if problems:
         if name == "flashinfer":
@@ -106,7 +101,7 @@ def make_backend(name: str, geometry: AttentionGeometry, device: torch.device | 
                              + "; ".join(problems))
         logger.info("attention backend: torch (auto; flashinfer unusable: %s)",
                     "; ".join(problems))
-        return TorchBackend(geometry)
+        return TorchBackend(geometry, dtype)
     backend = _flashinfer_backend(geometry, device, dtype)
     logger.info("attention backend: flashinfer (%s; %s %s on %s)",
                 "requested" if name == "flashinfer" else "auto", geometry.kind, dtype, device)

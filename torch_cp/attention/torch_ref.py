@@ -13,7 +13,7 @@ import torch
 
 from torch_cp.attention.backend import AttentionGeometry
 from torch_cp.attention.partial import Partial
-from torch_cp.plan import StepPlan
+from torch_cp.plan import Bucket, StepPlan
 
 LN2 = math.log(2.0)
 
@@ -54,28 +54,33 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, geometry: AttentionGeometry):
+    def __init__(self, geometry: AttentionGeometry, dtype: torch.dtype | None = None):
         self.geometry = geometry
+        self.dtype = dtype
         self._plan: StepPlan | None = None
+
+    def add_bucket(self, bucket: Bucket) -> None:
+        """Nothing to make: the kernels read only the plan's tensors, which a capture keeps."""
 
     def plan(self, plan: StepPlan) -> None:
         self._plan = plan
 
-    def _pool_kv(self, pool, layer_idx: int, table: torch.Tensor):
+    def _pool_kv(self, caches: list[torch.Tensor], layer_idx: int, table: torch.Tensor):
         """Keys and values of every row's pages: [B, pages * local_page, Hkv, D]."""
         rows, width = table.shape
         if self.geometry.kind == "gqa":
-            cache = pool.layer(layer_idx)[table.long()]  # [B, W, 2, page, Hkv, D]
+            cache = caches[0][layer_idx][table.long()]  # [B, W, 2, page, Hkv, D]
             k, v = cache[:, :, 0], cache[:, :, 1]
             return (k.reshape(rows, -1, *k.shape[-2:]), v.reshape(rows, -1, *v.shape[-2:]))
-        ckv, kpe = (t[table.long()] for t in pool.layer(layer_idx))  # [B, W, page, R]
+        ckv, kpe = (t[layer_idx][table.long()] for t in caches)  # [B, W, page, R]
         ckv = ckv.reshape(rows, -1, 1, ckv.shape[-1])
         return torch.cat((ckv, kpe.reshape(rows, -1, 1, kpe.shape[-1])), -1), ckv
 
-    def run_context(self, q: torch.Tensor, pool, layer_idx: int) -> Partial:
+    def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
+                    ) -> Partial:
         plan = self._plan
         assert plan is not None, "plan() must run before run_context()"
-        k, v = self._pool_kv(pool, layer_idx, plan.context.table)
+        k, v = self._pool_kv(caches, layer_idx, plan.context.table)
         rows = plan.token_row
         lens = plan.context.lens[rows.clamp(min=0)]
         slot = torch.arange(k.shape[1], device=q.device)

@@ -45,9 +45,6 @@ class PageAllocator:
     def missing_pages(self, request_id, num_tokens: int) -> int:
         return max(0, self.pages_for(num_tokens) - len(self.table(request_id)))
 
-    def can_reserve(self, request_id, num_tokens: int) -> bool:
-        return self.missing_pages(request_id, num_tokens) <= len(self._free)
-
     def reserve(self, request_id, num_tokens: int) -> bool:
         """Grow ``request_id``'s table to hold ``num_tokens`` tokens; False (and no change) if
         the free pages cannot."""

@@ -1,0 +1,139 @@
+"""torch_cp.generate at P = 2 (TP mode over tp = 2, SP mode over sp = 2; gloo ranks) gives the
+tokens of P = 1 and of the unpatched model, sampling agrees on every rank, each rank holds half
+the KV bytes, and planning each step ahead changes nothing; TP over 2 ranks without context
+parallelism (P = 1) gives the same tokens with the KV head copied; model.generate of a
+left-padded batch at P = 2 gives the unpatched model's tokens. The ranks are spawned once for
+the module; every case runs inside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multirank import run_ranks
+
+import torch_cp
+from torch_cp.engine import Engine
+from torch_cp.engine.sampling import SamplingParams
+from torch_cp.mesh import init_mesh
+from torch_cp.tiny import tiny_qwen3
+
+PROMPTS = [[42], [200, 3, 150, 7, 99], list(range(1, 20)), [],
+           [(7 * i) % 300 + 1 for i in range(27)]]
+NEW = 8
+PAGES, PAGE = 10, 8  # lifetimes of 1, 2, 4, 5 pages: the 27-token prompt waits
+BUDGET = 6  # tokens a step: prompts prefill in chunks
+SAMPLING = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=11)
+MESHES = {"tp": dict(tp=2, sp=1), "sp": dict(tp=1, sp=2)}
+# TP over 2 ranks without context parallelism: the one KV head is copied on both (P = 1).
+
+
+def _generate(model):
+    """(greedy results, sampled results, sampled without the rank-0 broadcast, kv bytes, free)."""
+    engine = Engine(model, PAGES, PAGE, BUDGET)
+    greedy = engine.run(PROMPTS, NEW)
+    sampled = engine.run(PROMPTS, NEW, SAMPLING)
+    engine.broadcast = False  # each rank samples on its own: the same seed must agree
+    local = engine.run(PROMPTS, NEW, SAMPLING)
+    return ([r.token_ids for r in greedy], [r.finish_reason for r in greedy],
+            [r.token_ids for r in sampled], [r.token_ids for r in local],
+            engine.kv_bytes, engine.allocator.free_pages)
+
+
+def _ranks(rank: int, world_size: int):
+    out = {}
+    for mode, sizes in MESHES.items():
+        mesh = init_mesh(**sizes, device_type="cpu")
+        model = torch_cp.patch_model(tiny_qwen3(), context_parallel=True, mesh=mesh, mode=mode,
+                                     page_size=PAGE)
+        assert model.torch_cp.placement.size == 2
+        out[mode] = _generate(model)
+        out[f"{mode} model.generate"] = _hf_generate(model)
+        records = []
+        model.torch_cp.exchange.records = records
+        engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True)
+        tokens = [r.token_ids for r in engine.run(PROMPTS, NEW)]
+        model.torch_cp.exchange.records = None
+        out[f"{mode} overlap"] = (tokens, engine.launched_ahead_steps,
+                                  [(r.op, r.shape) for r in records])
+    mesh = init_mesh(tp=2, sp=1, device_type="cpu")
+    model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
+    assert model.torch_cp.placement.size == 1 and model.torch_cp.tp == 2
+    out["tp, no cp"] = _generate(model)
+    return out
+
+
+def _hf_generate(model) -> list[list[int]]:
+    """``model.generate`` of the patched model on a left-padded batch of the non-empty prompts."""
+    prompts = [p for p in PROMPTS if p]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    return [row[width:].tolist() for row in out]
+
+
+@pytest.fixture(scope="module")
+def single():
+    return _generate(torch_cp.patch_model(tiny_qwen3(), page_size=PAGE))
+
+
+@pytest.fixture(scope="module")
+def hf():
+    model = tiny_qwen3()
+    return [tuple(model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[
+        0, len(p):].tolist()) if p else () for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(2, _ranks)
+
+
+@pytest.mark.parametrize("mode", [*MESHES, "tp, no cp"])
+def test_greedy_tokens_equal_p1_and_hf(ranks, single, hf, mode):
+    assert single[0] == hf  # the empty prompt (request 3) gives () and an error
+    assert single[1][3] == "error"
+    for rank, per_mode in enumerate(ranks):
+        tokens, reasons = per_mode[mode][:2]
+        assert tokens == hf, f"rank {rank}"
+        assert reasons == single[1], f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", [*MESHES, "tp, no cp"])
+def test_sampling_is_identical_on_every_rank(ranks, single, mode):
+    sampled = [per_mode[mode][2] for per_mode in ranks]
+    local = [per_mode[mode][3] for per_mode in ranks]
+    assert sampled[0] == sampled[1]
+    assert local[0] == local[1], "same seed, each rank sampling alone"
+    # P = 2 logits differ from P = 1 only by float32 rounding (merged partials); a draw falling
+    # within ~1e-6 of a category boundary would differ, far rarer than these 40 draws.
+    assert sampled[0] == single[2]
+    assert sampled[0] != single[0], "temperature 1 differs from greedy"
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_each_rank_holds_half_the_kv_and_every_page_returns(ranks, single, mode):
+    for per_mode in ranks:
+        kv_bytes, free = per_mode[mode][4:]
+        assert kv_bytes * 2 == single[4]
+        assert free == PAGES
+        assert per_mode["tp, no cp"][4] == single[4], "without CP each TP rank copies the head"
+    assert single[5] == PAGES
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_planning_ahead_keeps_tokens_and_lockstep(ranks, hf, mode):
+    """Engine(overlap_planning=True) over two partners: the unpatched model's tokens, some steps
+    launched ahead (fed rank 0's broadcast tokens without waiting for them on the host), and
+    the same collectives on both ranks."""
+    runs = [per_mode[f"{mode} overlap"] for per_mode in ranks]
+    for tokens, ahead, _ in runs:
+        assert tokens == hf and ahead > 0
+    assert runs[0][2] and runs[0][2] == runs[1][2]
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_model_generate_over_two_partners_equals_hf(ranks, hf, mode):
+    expected = [list(t) for t in hf if t]
+    for rank, per_mode in enumerate(ranks):
+        assert per_mode[f"{mode} model.generate"] == expected, f"rank {rank}"

@@ -1,0 +1,89 @@
+"""Sampling: greedy, temperature, top-k, top-p against direct definitions; seeds repeat exactly."""
+
+import pytest
+import torch
+
+from torch_cp.engine.sampling import SamplingParams, filter_logits, sample
+
+
+def _logits(rows=3, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3
+
+
+def test_greedy_is_argmax_and_needs_no_generator():
+    logits = _logits()
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    # bf16 logits on the way in: sampled in float32 on the host, the same argmax.
+    assert torch.equal(sample(logits.bfloat16(), SamplingParams()),
+                       logits.bfloat16().float().argmax(-1))
+
+
+def test_same_seed_same_tokens_other_seed_differs():
+    logits = _logits(rows=4, vocab=200)
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = []
+    for _ in range(2):
+        gens = [params.generator(i) for i in range(4)]
+        draws.append(torch.stack([sample(logits, params, gens) for _ in range(20)]))
+    assert torch.equal(draws[0], draws[1])
+    other = SamplingParams(temperature=1.0, seed=8)
+    gens = [other.generator(i) for i in range(4)]
+    third = torch.stack([sample(logits, other, gens) for _ in range(20)])
+    assert not torch.equal(draws[0], third)  # 80 draws over ~200 tokens: equal only by accident
+
+
+def test_a_requests_stream_does_not_depend_on_its_batch():
+    """Each request has its own generator: the draws of request 3 are the same alone or batched."""
+    logits = _logits(rows=1, vocab=100)
+    params = SamplingParams(temperature=0.8, seed=1)
+    alone = [int(sample(logits, params, [g])) for g in [params.generator(3)] * 10]
+    g3, g0 = params.generator(3), params.generator(0)
+    batched = [int(sample(logits.expand(2, -1), params, [g0, g3])[1]) for _ in range(10)]
+    assert alone == batched
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    logits = _logits(rows=5, vocab=40)
+    out = filter_logits(logits, top_k=3, top_p=None)
+    kept = torch.isfinite(out)
+    assert kept.sum(-1).tolist() == [3] * 5
+    top3 = logits.topk(3, -1).indices
+    assert kept.gather(-1, top3).all()
+    torch.testing.assert_close(out[kept], logits[kept], rtol=0, atol=0)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    for p, expect in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
+        kept = torch.isfinite(filter_logits(logits, None, p))
+        assert kept.sum().item() == expect, p
+        assert kept[0, :expect].all()
+
+
+def test_sampled_tokens_stay_inside_top_k_and_follow_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -5.0]])
+    params = SamplingParams(temperature=1.0, top_k=2, seed=3)
+    g = params.generator(0)
+    draws = torch.stack([sample(logits, params, [g]) for _ in range(4000)]).flatten()
+    assert set(draws.tolist()) <= {0, 1}
+    p0 = torch.softmax(torch.tensor([2.0, 1.0]), 0)[0].item()  # 0.731
+    # 4000 draws: standard error of the frequency is ~0.007, so 0.03 is > 4 sigma.
+    assert abs((draws == 0).float().mean().item() - p0) < 0.03
+
+
+def test_low_temperature_approaches_greedy():
+    logits = _logits(rows=6, vocab=30)
+    params = SamplingParams(temperature=1e-4, seed=0)
+    gens = [params.generator(i) for i in range(6)]
+    assert torch.equal(sample(logits, params, gens), logits.argmax(-1))
+
+
+def test_bad_parameters_name_every_problem():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(temperature=-1.0, top_k=0, top_p=1.5)
+    msg = str(e.value)
+    assert "temperature" in msg and "top_k" in msg and "top_p" in msg
+    with pytest.raises(ValueError, match="generator"):
+        sample(_logits(), SamplingParams(temperature=1.0))

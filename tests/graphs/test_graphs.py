@@ -1,0 +1,76 @@
+"""Buckets and static plans (the CPU-side half of CUDA-graph replay)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_cp.graphs import StaticPlan, default_buckets, pick_bucket
+from torch_cp.plan import Bucket, build_step_plan
+
+
+def test_default_buckets_cover_every_decode_batch():
+    buckets = default_buckets(max_rows=40, table_width=3, mixed=[(4, 64)])
+    for rows in range(1, 41):
+        chosen = pick_bucket(buckets, rows, rows, decode=True, table_width=3)
+        assert chosen is not None and chosen.decode and chosen.rows >= rows
+        assert chosen.rows - rows < 8 and chosen.max_pages == 3 * chosen.rows
+    assert pick_bucket(buckets, 41, 41, decode=True, table_width=3) is None
+    assert pick_bucket(buckets, 2, 2, decode=True, table_width=4) is None  # rows too long
+    assert pick_bucket(buckets, 3, 50, decode=False, table_width=3) == Bucket(4, 64, 12)
+    assert pick_bucket(buckets, 3, 65, decode=False, table_width=3) is None
+    assert pick_bucket(buckets, 3, 3, decode=False, table_width=1) == Bucket(4, 64, 12)
+
+
+def test_bad_buckets_name_every_problem():
+    with pytest.raises(ValueError) as err:
+        default_buckets(max_rows=0, table_width=0, mixed=[(4, 4), (0, 8)])
+    for part in ("4x4", "0x8", "max_rows", "table_width"):
+        assert part in str(err.value)
+    with pytest.raises(ValueError) as err:
+        Bucket(4, 2, 6)
+    assert "tokens >= rows" in str(err.value) and "multiple of rows" in str(err.value)
+
+
+def test_a_step_that_does_not_fit_its_bucket_is_refused():
+    bucket = Bucket(2, 2, 4)
+    for q_lens, tables in (([1, 1, 1], [[0]] * 3), ([2, 1], [[0], [1]]),
+                           ([1], [[0, 1, 2]])):
+        with pytest.raises(ValueError, match="does not fit"):
+            build_step_plan(q_lens, [0] * len(q_lens), tables, page_size=8, sink_page=99,
+                            bucket=bucket)
+
+
+def _plan(q_lens, ctx_lens, tables, bucket: Bucket):
+    return build_step_plan(q_lens, ctx_lens, tables, page_size=8, sink_page=99, bucket=bucket)
+
+
+@pytest.mark.parametrize("bucket", [Bucket(4, 4, 24), Bucket(4, 24, 24)], ids=str)
+def test_static_plan_keeps_addresses_and_takes_new_values(bucket):
+    decode = bucket.decode
+    static = StaticPlan(_plan([], [], [], bucket))
+    addresses = {name: t.data_ptr() for name, t in static.tensors.items()}
+    addresses["table"] = static.context.table.data_ptr()
+    q_lens = [1, 1, 1] if decode else [5, 1, 9]
+    fresh = _plan(q_lens, [3, 17, 0], [[1, 2], [5, 6, 7], [8, 9]], bucket)
+    loaded = static.load(fresh)
+    for name in static.tensors:
+        assert getattr(loaded, name).data_ptr() == addresses[name]
+        assert torch.equal(getattr(loaded, name), getattr(fresh, name)), name
+    assert loaded.context.table.data_ptr() == addresses["table"]
+    for name in ("lens", "indptr", "last_page_len", "table"):
+        assert torch.equal(getattr(loaded.context, name), getattr(fresh.context, name)), name
+    nnz = fresh.context.indices.shape[0]
+    assert torch.equal(loaded.context.indices[:nnz], fresh.context.indices)
+    assert loaded.is_decode == decode and loaded.num_rows == 3
+    assert torch.equal(loaded.context_host.indptr, fresh.context_host.indptr)
+
+
+def test_capture_step_writes_only_the_sink_page():
+    """A capture step is all padding: every write goes to the sink page."""
+    for bucket in (Bucket(8, 8, 8), Bucket(2, 16, 2)):
+        plan = _plan([], [], [], bucket)
+        assert plan.num_rows == 0 and plan.num_tokens == 0
+        assert torch.equal(plan.write_index // plan.local_page_size,
+                           torch.full_like(plan.write_index, 99))
+        assert plan.is_decode == bucket.decode

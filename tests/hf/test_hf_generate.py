@@ -1,0 +1,128 @@
+"""model.generate on a patched model gives the unpatched model's greedy tokens (float32 tiny Qwen3),
+left-padded batches included."""
+
+import pytest
+import torch
+
+import torch_cp
+from torch_cp.hf.model_generate import GenerateCache
+from torch_cp.tiny import tiny_qwen3
+
+PROMPTS = [list(range(1, 20)), [200, 3, 150, 7, 99], [42], [(5 * i) % 250 + 3 for i in range(33)]]
+NEW = 10
+
+
+def left_padded(prompts, pad=0):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_qwen3()
+    ids, mask = left_padded(PROMPTS)
+    padded = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    alone = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):]
+             for p in PROMPTS]
+    return padded, torch.stack(alone)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = torch_cp.patch_model(tiny_qwen3())
+    torch_cp.install_generate(m)  # idempotent: patch_model may already have done it
+    torch_cp.install_generate(m)
+    return m
+
+
+def test_left_padded_batch_matches_unpatched(model, reference):
+    padded, alone = reference
+    ids, mask = left_padded(PROMPTS)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, padded)
+    # and the padded reference is itself the per-prompt (unpadded) answer
+    assert torch.equal(out[:, ids.shape[1]:], alone)
+
+
+def test_single_unpadded_prompt(model, reference):
+    _, alone = reference
+    out = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=NEW, do_sample=False)
+    assert out[0, len(PROMPTS[0]):].tolist() == alone[0].tolist()
+
+
+def test_an_explicit_cache_and_chunked_prefill(model, reference):
+    padded, _ = reference
+    ids, mask = left_padded(PROMPTS)
+    cache = torch_cp.new_cache(model, batch_size=len(PROMPTS), max_length=ids.shape[1] + NEW,
+                               page_size=8)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         cache=cache)
+    assert torch.equal(out, padded)
+    assert cache.row_lens == [len(p) + NEW - 1 for p in PROMPTS]
+    # Chunks of 4 columns: the first chunks of the short rows hold only their padding.
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         prefill_chunk_size=4)
+    assert torch.equal(out, padded)
+
+
+def test_the_cache_made_for_generate_is_paged_and_sized_to_the_call(model):
+    seen = []
+    original = GenerateCache.prepare
+
+    def spy(self, input_ids, attention_mask):
+        seen.append((self.pool.num_pages, self.rows, tuple(input_ids.shape)))
+        return original(self, input_ids, attention_mask)
+    GenerateCache.prepare = spy
+    try:
+        ids, mask = left_padded(PROMPTS[:2])
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    finally:
+        GenerateCache.prepare = original
+    pages = 2 * -(-(ids.shape[1] + 3) // model.torch_cp.page_size)
+    assert seen == [(pages, 2, (2, 19)), (pages, 2, (2, 1)), (pages, 2, (2, 1))]
+
+
+def test_unsupported_generate_modes_raise(model):
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match="beam search"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2, do_sample=False)
+    small = torch_cp.new_cache(model, batch_size=2, max_length=4)
+    with pytest.raises(ValueError, match="more than this cache's pool"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=40, cache=small)
+    with pytest.raises(ValueError, match="batch_size"):
+        torch_cp.new_cache(model, batch_size=0, max_length=4)
+
+
+def test_uninstall_restores_the_plain_generate():
+    from torch_cp.hf.model_generate import install_generate, uninstall_generate
+
+    ref, m = tiny_qwen3(), torch_cp.patch_model(tiny_qwen3())
+    install_generate(m)
+    uninstall_generate(m)
+    assert not m._forward_pre_hooks and "_prepare_cache_for_generation" not in m.__dict__
+    torch_cp.unpatch_model(m)  # back to the Hugging Face attention: its DynamicCache works again
+    ids = torch.tensor([PROMPTS[1]])
+    assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False),
+                       ref.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_a_direct_forward_with_positional_mask_uses_the_plan(model):
+    """model(ids, mask, cache=GenerateCache) outside generate: the hook plans from the mask too;
+    the real tokens' logits equal the unpatched model's (float32, summed in another order)."""
+    ref = tiny_qwen3()
+    ids, mask = left_padded(PROMPTS[:2])
+    cache = torch_cp.new_cache(model, batch_size=2, max_length=ids.shape[1])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() makes them
+    with torch.no_grad():
+        got = model(ids, mask, position_ids=positions, cache=cache).logits
+        want = ref(ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    # float32 logits of magnitude ~10: 1e-4 covers reordered sums (observed ~1e-6), far below
+    # the greedy gaps (> 5e-3).
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+    assert cache.row_lens == [len(p) for p in PROMPTS[:2]]

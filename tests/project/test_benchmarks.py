@@ -1,0 +1,71 @@
+"""The benchmark scripts run end to end on the CPU (``--smoke``: tiny models, the torch backend)
+and write the JSON their tables are made from, so they do not rot between GPU sessions. Their
+numbers are meaningless here; only GPU runs are reported (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+pytestmark = pytest.mark.slow
+
+
+def run(args: list[str], timeout: int = 300) -> None:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+def records(path: Path) -> list[dict]:
+    data = json.loads(path.read_text())
+    assert data["versions"]["torch"] and data["command"]
+    return data["records"]
+
+
+def test_attention_benchmark(tmp_path):
+    run(["-m", "benchmarks.attention", "--smoke", "--out", str(tmp_path / "a.json")])
+    rows = records(tmp_path / "a.json")
+    assert rows and all("error" not in r for r in rows)
+
+
+def test_generate_benchmark_with_every_torch_cp_system_and_a_peer(tmp_path):
+    run(["-m", "benchmarks.generate", "--smoke", "--plan",
+         "qwen3:16:torch_cp,torch_cp_overlap,hf_dynamic;mla:16:torch_cp", "--batches", "1,2",
+         "--new-tokens", "4", "--out", str(tmp_path / "g.json")])
+    rows = records(tmp_path / "g.json")
+    assert {(r["model"], r["system"]) for r in rows} == {
+        ("qwen3", "torch_cp"), ("qwen3", "torch_cp_overlap"), ("qwen3", "hf_dynamic"),
+        ("mla", "torch_cp")}
+    assert all(r.get("tokens_per_s") for r in rows), [r for r in rows if "error" in r]
+
+
+def test_long_context_benchmark_at_one_and_two_ranks(tmp_path):
+    out = tmp_path / "l.json"
+    for p in (1, 2):
+        run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}",
+             "-m", "benchmarks.long_context", "--smoke", "--iters", "2", "--out", str(out)])
+    rows = records(out)
+    assert {(r["model"], r["P"]) for r in rows} == {("qwen3", 1), ("qwen3", 2), ("mla", 1),
+                                                    ("mla", 2)}
+    assert all(r.get("step_ms") for r in rows)
+    half = {(r["model"], r["P"]): r["kv_bytes_per_rank_per_token"] for r in rows}
+    assert half["qwen3", 2] * 2 == half["qwen3", 1] and half["mla", 2] * 2 == half["mla", 1]
+
+
+def test_prefill_profile_sets_torch_cp_beside_hugging_face(tmp_path):
+    out = tmp_path / "p.json"
+    run(["-m", "benchmarks.prefill_profile", "--smoke", "--model", "mla", "--batch", "2",
+         "--prompt", "16", "--iters", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    for name in ("torch_cp", "hugging_face"):
+        assert data[name]["ms"] > 0 and data[name]["by_kind"]["gemm"] > 0, data[name]
+    assert data["torch_cp"]["steps_per_call"] == 1, "the whole prefill in one step"
+    assert data["same_first_tokens"] == 2, "fp32: both prefills give the same first tokens"

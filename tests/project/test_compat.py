@@ -1,0 +1,57 @@
+"""The private PyTorch and transformers hooks of ``torch_cp.compat`` still exist, with the shape
+torch_cp relies on. A failure here means the installed release moved one: fix compat.py, not the
+callers."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from transformers.generation.utils import GenerationMixin
+
+from torch_cp import compat
+
+
+def test_module_call_runs_the_compiled_call_when_set():
+    calls = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            calls.append("eager")
+            return x
+
+    probe = Probe()
+    assert hasattr(probe, compat.COMPILED_CALL), f"nn.Module has no {compat.COMPILED_CALL}"
+    assert callable(getattr(probe, "_call_impl", None)), "nn.Module has no _call_impl"
+    compat.set_compiled_call(probe, lambda *args, **kwargs: "compiled")
+    assert probe(torch.zeros(1)) == "compiled", f"nn.Module.__call__ ignores {compat.COMPILED_CALL}"
+    compat.set_compiled_call(probe, None)
+    probe(torch.zeros(1))
+    assert calls == ["eager"]
+
+
+def test_dynamo_options_exist():
+    config = torch._dynamo.config
+    for name in compat.DYNAMO_OPTIONS:
+        assert hasattr(config, name), f"torch._dynamo.config has no {name}"
+    with compat.dynamo_layer_options(recompile_limit=17):
+        assert config.allow_unspec_int_on_nn_module is True and config.recompile_limit == 17
+
+
+def test_functional_collectives_exist():
+    for fn in (compat.all_gather, compat.all_to_all_single, compat.all_reduce,
+               compat.wait_tensor):
+        assert callable(fn)
+    assert compat.all_gather in (getattr(funcol, "all_gather_single", None),
+                                 getattr(funcol, "all_gather_tensor", None))
+
+
+def test_generate_builds_its_cache_through_the_hook_torch_cp_overrides():
+    hook = getattr(GenerationMixin, compat.PREPARE_CACHE, None)
+    assert hook is not None, f"GenerationMixin has no {compat.PREPARE_CACHE}"
+    params = list(inspect.signature(hook).parameters)[1:]
+    assert params == list(compat.PREPARE_CACHE_PARAMS), params
+    source = inspect.getsource(GenerationMixin)
+    assert f"self.{compat.PREPARE_CACHE}(" in source, "generate() no longer calls the hook"

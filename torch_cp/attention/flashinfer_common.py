@@ -1,0 +1,112 @@
+"""What the FlashInfer GQA and MLA backends share: one workspace, kernels per captured bucket,
+plan fences, in-place staging for captured kernels, and how padding enters FlashInfer's plans.
+
+Padding: the step plan gives padding rows no pages, so no kernel ever reads the sink page (where
+padding and non-owned tokens are written). Token padding past the last real row becomes one
+extra row of a multi-token step's plans (kv length 0 for the context, its own zeroed K/V for the
+own tokens), so ``q.shape[0]`` equals the plan's token count, as FlashInfer requires and CUDA
+graphs need. The own tokens' K/V of padding tokens are zeroed before the kernel: FA3 loads
+key/value tiles past a row's end and multiplies them by zero probabilities, which turns NaN there
+into NaN in the row. Outputs of padding tokens are unspecified and reach no real row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_cp.attention.backend import AttentionGeometry
+from torch_cp.attention.partial import Partial
+from torch_cp.kv.tables import PagedIndptrs
+from torch_cp.plan import Bucket, StepPlan
+
+# One zeroed float workspace per backend, shared by all its kernels: they run one after another
+# on one stream, eagerly or replayed (each wrapper keeps its own int workspace for its plan).
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class PlanFence:
+    """Waits before re-planning a wrapper until its previous plan's host-to-device copy ran.
+
+    FlashInfer stages plan metadata in a pinned host buffer and copies it asynchronously;
+    planning the same wrapper again before that copy lands would overwrite what it reads.
+    """
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def mark(self) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self._device))
+
+
+def staged(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value``, copied in place into ``current`` when the shapes match: kernels captured in a
+    CUDA graph keep reading the tensor they were captured with."""
+    if current is not None and current.shape == value.shape and current.device == value.device:
+        return current.copy_(value)
+    return value
+
+
+def with_token_padding_row(plan: StepPlan) -> tuple[torch.Tensor, PagedIndptrs]:
+    """A multi-token step's host ``qo_indptr`` [B + 2] and context [B + 1 rows] with one more
+    row holding the tokens past the last row (no context)."""
+    qo = plan.qo_indptr_host
+    qo = torch.cat((qo, torch.tensor([plan.positions.shape[0]], dtype=qo.dtype)))
+    ctx = plan.context_host
+    zero = ctx.lens.new_zeros(1)
+    return qo, PagedIndptrs(torch.cat((ctx.lens, zero)), torch.cat((ctx.indptr, ctx.indptr[-1:])),
+                            ctx.indices, torch.cat((ctx.last_page_len, zero)), ctx.table)
+
+
+def real_token_mask(plan: StepPlan) -> torch.Tensor:
+    """[N] bool on the plan's device: tokens of real rows."""
+    rows = plan.token_row
+    return (rows >= 0) & (rows < plan.num_rows)
+
+
+class FlashInferBackend:
+    """Base of the FlashInfer backends (see ``AttentionBackend``): one set of kernels for eager
+    steps and one graph-ready set per captured bucket (fixed buffers; a captured graph replays
+    the kernels it was captured with), chosen by ``plan.bucket`` when a step is planned.
+
+    Subclasses make a kernel set with ``make_kernels(bucket)``; a set has ``plan``,
+    ``run_context`` and ``run_own``.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, geometry: AttentionGeometry, device: torch.device | str,
+                 dtype: torch.dtype):
+        self.geometry = geometry
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._kernels = {None: self.make_kernels(None)}
+        self._active = self._kernels[None]
+
+    def make_kernels(self, bucket: Bucket | None):
+        raise NotImplementedError
+
+    def add_bucket(self, bucket: Bucket) -> None:
+        if bucket not in self._kernels:
+            self._kernels[bucket] = self.make_kernels(bucket)
+
+    def plan(self, plan: StepPlan) -> None:
+        kernels = self._kernels.get(plan.bucket)
+        if kernels is None:
+            raise ValueError(f"no graph-ready kernels for {plan.bucket}: add_bucket(bucket) "
+                             f"must run before its steps are planned")
+        kernels.plan(plan)
+        self._active = kernels
+
+    def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
+                    ) -> Partial:
+        return self._active.run_context(q, caches, layer_idx)
+
+    def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
+        return self._active.run_own(q, k, v)

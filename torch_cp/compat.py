@@ -1,0 +1,78 @@
+"""Every private PyTorch and transformers hook torch_cp relies on, in one place.
+
+Each is an attribute or signature a release may change without notice; ``tests/core/test_compat.py``
+checks them against the installed versions and fails loudly, naming the hook, when one moves.
+
+- ``nn.Module._compiled_call_impl`` and ``_call_impl``: what ``nn.Module.compile()`` sets (the
+  compiled ``_call_impl``) and ``__call__`` then runs; set per decoder layer for regional
+  compilation.
+- ``torch._dynamo.config`` ``allow_unspec_int_on_nn_module`` and ``recompile_limit``: the layer
+  index traced as a symbol, and room for the graphs a capture compiles.
+- ``torch.distributed._functional_collectives``: traceable collectives (``all_gather_tensor`` was
+  renamed ``all_gather_single`` in torch 2.13; the GPU machine's 2.11 has only the old name).
+- ``GenerationMixin._prepare_cache_for_generation``: where ``model.generate`` builds its cache;
+  a patched model overrides it to build a paged one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+all_to_all_single = funcol.all_to_all_single
+all_reduce = funcol.all_reduce
+wait_tensor = funcol.wait_tensor
+
+COMPILED_CALL = "_compiled_call_impl"
+PREPARE_CACHE = "_prepare_cache_for_generation"
+PREPARE_CACHE_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size",
+                        "max_cache_length")
+DYNAMO_OPTIONS = ("allow_unspec_int_on_nn_module", "recompile_limit")
+
+
+def compile_call(module: nn.Module) -> Callable:
+    """What ``nn.Module.compile(fullgraph=True)`` makes: ``module._call_impl`` compiled."""
+    return torch.compile(module._call_impl, fullgraph=True)
+
+
+def set_compiled_call(module: nn.Module, compiled: Callable | None) -> None:
+    """Make ``module(...)`` run ``compiled`` (``None``: eager again), as ``nn.Module.compile``
+    does, without making a new ``torch.compile`` wrapper each time."""
+    setattr(module, COMPILED_CALL, compiled)
+
+
+@contextlib.contextmanager
+def dynamo_layer_options(recompile_limit: int) -> Iterator[None]:
+    """Dynamo traces int attributes of modules (the layer index) as symbols, and may compile up
+    to ``recompile_limit`` graphs per code object, within the block."""
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
+                                    recompile_limit=recompile_limit):
+        yield
+
+
+def override_prepare_cache(model: nn.Module, prepare: Callable) -> None:
+    """Make ``model.generate`` build its cache with ``prepare(self, *PREPARE_CACHE_PARAMS)``."""
+    setattr(model, PREPARE_CACHE, types.MethodType(prepare, model))
+
+
+def restore_prepare_cache(model: nn.Module) -> None:
+    model.__dict__.pop(PREPARE_CACHE, None)
+
+
+def prepare_cache_default(model: nn.Module, *args) -> None:
+    """The class's own ``_prepare_cache_for_generation`` (what the override falls back to)."""
+    getattr(type(model), PREPARE_CACHE)(model, *args)
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.2x, ``past_key_values``
+    before (later releases drop the old name)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

@@ -1,0 +1,267 @@
+"""Engine: continuous batching over the placed paged pool of a patched model.
+
+Each step the scheduler picks rows (decode rows, then prefill chunks as pages and the token budget
+allow), the step plan is built from their logical lengths and page tables, the model runs once
+on the packed tokens ``[1, N]``, and the last token of every row that reaches its sequence's end
+is sampled. Every rank runs the same loop with the same decisions (lockstep). Rank 0's sampled
+tokens are broadcast to the other ranks, so a last-bit difference in their logits can never split
+the schedulers; with the same seed, sampling itself is also identical on every rank (see
+``torch_cp.sampling``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from torch_cp.engine.requests import Result, check_request, vocab_size
+from torch_cp.engine.sampling import SamplingParams, greedy_tokens, sample
+from torch_cp.engine.scheduler import Request, Row, Scheduler
+from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, row_key
+from torch_cp.hf.cache import PagedKVCache
+from torch_cp.kv.allocator import PageAllocator
+from torch_cp.placement import page_size_problems
+from torch_cp.plan import StepRefused
+from torch_cp.runtime import runtime_of
+
+DEFAULT_TOKENS_PER_STEP = 2048
+DEFAULT_GRAPH_ROWS = 64
+GREEDY = SamplingParams()
+
+
+class Engine:
+    """A patched model with one placed pool, reused across ``run`` calls.
+
+    Args:
+        model: a model patched by ``torch_cp.patch_model`` (``model.torch_cp`` is its runtime).
+        num_pages: logical pages of the pool (the sink page is extra).
+        page_size: tokens per logical page, a multiple of P (default: the one given to
+            ``patch_model``).
+        max_tokens_per_step: token budget of one step; longer prompts prefill in chunks.
+        max_rows: most rows of one step, and most requests running at once (``None``: no limit).
+        cuda_graphs: replay decode steps (and any ``mixed_buckets``) from CUDA graphs captured
+            once per bucket; steps no bucket fits run eagerly. CUDA only.
+        max_pages_per_row: page-table width of the captured buckets (default: the whole pool);
+            a step with a longer row runs eagerly.
+        mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
+        compile: run every decoder layer compiled (``torch.compile``, fullgraph; the layers
+            share their compiled graphs, see ``compiled_layers``), in the captured steps and in
+            the steps that run eagerly (long prefills): fuses the model's small kernels. Needs
+            ``cuda_graphs``.
+        overlap_planning: while a decode step runs on the device, plan the next one on the host
+            for the rows it will have unless a request stops at EOS and, with greedy sampling,
+            launch it at once, fed this step's tokens on the device; the host then takes this
+            step's tokens while the next one runs. A request that stopped at EOS has its row
+            in that next step dropped; any other wrong guess is re-planned. Tokens are the same
+            either way.
+    """
+
+    def __init__(self, model, num_pages: int, page_size: int | None = None,
+                 max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, max_rows: int | None = None,
+                 cuda_graphs: bool = False, max_pages_per_row: int | None = None,
+                 mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False,
+                 overlap_planning: bool = False):
+        self.model = model
+        self.runtime = runtime_of(model)
+        page_size = self.runtime.page_size if page_size is None else page_size
+        problems = []
+        if num_pages < 1:
+            problems.append(f"num_pages must be >= 1, got {num_pages}")
+        problems += page_size_problems(page_size, self.runtime.placement.size)
+        if max_tokens_per_step < 1:
+            problems.append(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
+        if cuda_graphs and torch.device(self.runtime.device).type != "cuda":
+            problems.append(f"cuda_graphs needs a model on CUDA, not {self.runtime.device}")
+        if compile and not cuda_graphs:
+            problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
+        if problems:
+            raise ValueError("invalid engine: " + "; ".join(problems))
+        self.page_size = page_size
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_rows = max_rows
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.pool = self.runtime.new_pool(num_pages, page_size)
+        self.cache = PagedKVCache(self.runtime, self.pool)
+        self.broadcast = (self.runtime.spans_ranks and dist.is_available()
+                          and dist.is_initialized() and dist.get_world_size() > 1)
+        self.overlap_planning = overlap_planning
+        self.steps = 0
+        self.replayed_steps = 0
+        self.planned_ahead_steps = 0  # steps launched from a plan made during the previous one
+        self.launched_ahead_steps = 0  # ... and launched before its tokens reached the host
+        self._ahead: PlannedStep | None = None  # planned, launched after the host samples
+        self._inflight: LaunchedStep | None = None  # launched, not yet committed
+        self.runner = None
+        if cuda_graphs:
+            from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
+
+            rows = min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS)
+            buckets = default_buckets(rows, max_pages_per_row or num_pages, mixed_buckets)
+            self.runner = CUDAGraphRunner(model, self.cache, buckets)
+            with compiled_layers(model) if compile else contextlib.nullcontext():
+                self.runner.capture()
+        self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's pool (every layer, the sink page included)."""
+        return self.pool.bytes
+
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+            sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
+            progress: bool = False) -> list[Result]:
+        """Generate for token-id prompts; bad requests get error results, the others complete."""
+        news = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+                else list(max_new_tokens))
+        if len(news) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(news)} entries for {len(prompts)} prompts")
+        vocab = vocab_size(self.model)
+        self._ahead = self._inflight = None  # request indices restart with every run
+        results: dict[int, Result] = {}
+        scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
+        capacity = self.allocator.num_pages * self.page_size
+        for i, (prompt, new) in enumerate(zip(prompts, news)):
+            error = check_request(prompt, new, vocab, capacity)
+            if error:
+                results[i] = Result(i, (), "error", error=error)
+            else:
+                scheduler.add(Request(i, list(prompt), new))
+        eos = frozenset(eos_token_ids)
+        generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
+        total = sum(r.max_new_tokens for r in scheduler.waiting)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        show = progress and rank0
+        with tqdm(total=total, unit="tok", desc="generate", disable=not show) as bar:
+            while not scheduler.done:
+                new, finished, failed = self._step(scheduler, sampling, generators, eos)
+                bar.update(new)
+                for request, reason in finished:
+                    results[request.index] = Result(request.index, tuple(request.generated),
+                                                    reason)
+                for request, error in failed:
+                    results[request.index] = Result(request.index, tuple(request.generated),
+                                                     "error", error=error)
+                for request in [r for r, _ in finished] + [r for r, _ in failed]:
+                    bar.total -= request.max_new_tokens - len(request.generated)  # stopped early
+        if self._inflight is not None:  # launched for requests that then stopped at EOS
+            self._inflight.host_ids()
+            self._inflight = None
+        assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
+        return [results[i] for i in range(len(prompts))]
+
+    def _step(self, scheduler: Scheduler, sampling: SamplingParams, generators, eos):
+        """Finish one step: the one launched ahead during the previous step, else the
+        scheduler's next (retried smaller when the backend refuses it). With
+        ``overlap_planning`` the step after it is planned, and with greedy sampling launched,
+        before this step's tokens are awaited.
+
+        Returns (tokens sampled, finished requests with their reason, failed requests with why).
+        """
+        current, self._inflight = self._inflight, None
+        if current is None:
+            current, failed = self._launch_scheduled(scheduler, sampling)
+            if failed:
+                return 0, [], failed
+        if self.overlap_planning:
+            self._overlap(current, scheduler, sampling)
+        tokens = self._tokens(current, sampling, generators)
+        self.steps += 1
+        # A step launched ahead may hold rows of requests that stopped at EOS meanwhile.
+        rows = [r for r in current.rows if r.request in scheduler.running]
+        tokens = {i: t for i, t in tokens.items() if i in scheduler.running}
+        return len(tokens), scheduler.commit(rows, tokens, eos), []
+
+    def _launch_scheduled(self, scheduler: Scheduler, sampling: SamplingParams):
+        """Plan and launch the scheduler's next step: (launched step, []) or (None, failures)."""
+        rows = scheduler.schedule()
+        assert rows, "a scheduler with running or waiting requests always has a row"
+        max_rows = max_tokens = None
+        while True:
+            try:
+                step = self._planned(rows)
+                break
+            except StepRefused as refusal:
+                # Prefill tokens shrink first: cutting rows would drop the decode rows (first
+                # in a step) and keep the prefill rows out until those requests finish.
+                tokens = sum(r.length for r in rows)
+                if tokens > len(rows):
+                    max_tokens = tokens // 2
+                elif len(rows) > 1:
+                    max_rows = len(rows) // 2
+                else:
+                    request = scheduler.abort(rows[0].request)
+                    return None, [(request, f"the attention backend refused even one token: "
+                                            f"{refusal}")]
+                rows = scheduler.schedule(max_rows=max_rows, max_tokens=max_tokens)
+        requests = [scheduler.running[r.request] for r in rows]
+        ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
+        return self._launch(step, rows, ids, sampling), []
+
+    def _planned(self, rows: list[Row]) -> PlannedStep:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.key == row_key(rows):
+            self.planned_ahead_steps += 1
+            return ahead
+        return self._plan(rows)
+
+    def _plan(self, rows: list[Row]) -> PlannedStep:
+        return self.launcher.plan(rows, [self.allocator.table_tensor(r.request) for r in rows])
+
+    def _launch(self, step: PlannedStep, rows: list[Row], ids, sampling: SamplingParams):
+        sampled = [b for b, r in enumerate(rows) if r.samples]
+        launched = LaunchedStep(rows, sampled, self.launcher.launch(step, ids, sampled))
+        self.replayed_steps += step.plan.bucket is not None
+        if sampled and sampling.greedy:
+            tokens = greedy_tokens(launched.logits)
+            launched.send_ids_home(_broadcast_from_rank0(tokens) if self.broadcast else tokens)
+        return launched
+
+    def _overlap(self, current: LaunchedStep, scheduler: Scheduler, sampling: SamplingParams):
+        """While ``current`` runs, plan the step after it if the scheduler can foresee it, and
+        launch it at once when its input ids are already on the device (greedy sampling)."""
+        live = [r for r in current.rows if r.request in scheduler.running]
+        following = scheduler.next_decode_rows(live)
+        if following is None:
+            return
+        try:
+            step = self._plan(following)
+        except StepRefused:
+            return  # planned again (and refused again, then retried smaller) next step
+        if current.device_ids is None:
+            self._ahead = step  # launched once the host has sampled current's tokens
+            return
+        at = {current.rows[b].request: i for i, b in enumerate(current.sampled)}
+        index = [at[r.request] for r in following]
+        ids = current.device_ids
+        if index != list(range(len(ids))):  # some requests end with current's token
+            index_host = torch.tensor(index)
+            if ids.is_cuda:  # pinned, so the copy does not wait for the running step
+                index_host = index_host.pin_memory()
+            ids = ids[index_host.to(ids.device, non_blocking=True)]
+        self._inflight = self._launch(step, following, ids, sampling)
+        self.planned_ahead_steps += 1
+        self.launched_ahead_steps += 1
+
+    def _tokens(self, step: LaunchedStep, sampling: SamplingParams, generators) -> dict[int, int]:
+        """The sampled token of each sampling row of ``step``, on the host."""
+        if not step.sampled:
+            return {}
+        if step.device_ids is not None:
+            ids = step.host_ids()
+        else:
+            rows = [step.rows[b] for b in step.sampled]
+            tokens = sample(step.logits, sampling, [generators[r.request] for r in rows])
+            ids = (_broadcast_from_rank0(tokens) if self.broadcast else tokens).tolist()
+        return {step.rows[b].request: t for b, t in zip(step.sampled, ids)}
+
+
+def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tokens`` on every rank: on their device under NCCL (stream-ordered, no host
+    sync), else on the host."""
+    t = tokens if dist.get_backend() == "nccl" else tokens.cpu()
+    dist.broadcast(t, src=0)
+    return t

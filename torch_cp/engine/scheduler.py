@@ -1,0 +1,201 @@
+"""Continuous batching over logical lengths: which rows run in the next step.
+
+The scheduler sees only prompts, generated tokens and logical page counts, never a rank's own KV
+lengths, so every rank that runs it with the same inputs makes the same decisions (lockstep).
+
+Admission is by free pages. A request is admitted when the pool's free pages, less the pages
+already promised to admitted requests for their remaining growth, cover its whole lifetime
+(prompt + max_new_tokens - 1 cached tokens), and while fewer than ``max_rows`` requests run (so
+every running request has a row in every step the token budget allows). Pages are then taken as
+rows grow, so an admitted request can always run to its end and nothing ever needs preempting; a
+request that does not fit waits (first come, first served) and none is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from torch_cp.kv.allocator import PageAllocator
+
+
+@dataclass
+class Request:
+    """One request's progress. ``cached`` tokens of ``tokens`` have their KV in the pool."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV is not in the pool yet (the next row's tokens)."""
+        return len(self.prompt) + len(self.generated) - self.cached
+
+    @property
+    def lifetime_tokens(self) -> int:
+        """Tokens cached at most: the last generated token is never fed back."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.generated)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a step: ``length`` new tokens of request ``request`` after ``start`` cached ones.
+
+    ``samples``: the row ends at the request's last known token, so its logits give a new token
+    (a prefill chunk that stops short of the prompt's end samples nothing).
+    """
+
+    request: int
+    start: int
+    length: int
+    samples: bool
+
+
+class Scheduler:
+    """Picks each step's rows: decode rows first, then prefill chunks, within a token budget.
+
+    Args:
+        allocator: the pool's logical page allocator (request index = allocation id).
+        max_tokens_per_step: token budget of a step; a longer prompt is prefilled in chunks
+            (extend rows).
+        max_rows: most rows a step may have, and most requests running at once (``None``: no
+            limit).
+    """
+
+    def __init__(self, allocator: PageAllocator, max_tokens_per_step: int,
+                 max_rows: int | None = None):
+        problems = []
+        if max_tokens_per_step < 1:
+            problems.append(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
+        if max_rows is not None and max_rows < 1:
+            problems.append(f"max_rows must be >= 1 or None, got {max_rows}")
+        if problems:
+            raise ValueError("invalid scheduler: " + "; ".join(problems))
+        self.allocator = allocator
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_rows = max_rows
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # in admission order
+
+    def fits_ever(self, request: Request) -> bool:
+        """Whether the empty pool could hold the request's whole lifetime."""
+        return self.allocator.pages_for(request.lifetime_tokens) <= self.allocator.num_pages
+
+    def add(self, request: Request) -> None:
+        if not self.fits_ever(request):
+            raise ValueError(f"request {request.index} needs {request.lifetime_tokens} tokens, "
+                             f"more than the pool's {self.allocator.num_pages} pages can hold")
+        self.waiting.append(request)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _promised_pages(self) -> int:
+        a = self.allocator
+        return sum(a.missing_pages(r.index, r.lifetime_tokens) for r in self.running.values())
+
+    def _head_fits(self, available_pages: int) -> bool:
+        """Whether the head of the queue fits (first come, first served: no request overtakes
+        it): a free row, and its whole lifetime within ``available_pages`` (free pages less
+        those promised)."""
+        if not self.waiting or (self.max_rows is not None and len(self.running) >= self.max_rows):
+            return False
+        return self.allocator.pages_for(self.waiting[0].lifetime_tokens) <= available_pages
+
+    def _admit(self) -> None:
+        available = self.allocator.free_pages - self._promised_pages()
+        while self._head_fits(available):
+            request = self.waiting.popleft()
+            self.running[request.index] = request
+            available -= self.allocator.pages_for(request.lifetime_tokens)
+
+    def schedule(self, max_rows: int | None = None, max_tokens: int | None = None) -> list[Row]:
+        """The next step's rows (empty only when nothing is left to run).
+
+        Reserves the rows' pages; ``commit`` records what the step did. Calling ``schedule``
+        again before ``commit`` (a refused step retried smaller) is allowed.
+        """
+        self._admit()
+        caps = [c for c in (max_rows, self.max_rows) if c is not None]
+        row_cap = min(caps) if caps else len(self.running)
+        budget = min(self.max_tokens_per_step, max_tokens or self.max_tokens_per_step)
+        ordered = sorted(self.running.values(), key=lambda r: not r.decoding)  # stable
+        rows = []
+        for request in ordered:
+            if len(rows) >= row_cap or budget < 1:
+                break
+            n = min(request.pending, budget)
+            assert n >= 1, "a running request always has a token to feed"
+            end = request.cached + n
+            rows.append(Row(request.index, request.cached, n, samples=end == len(request.tokens)))
+            reserved = self.allocator.reserve(request.index, end)
+            assert reserved, "admission promised these pages"
+            budget -= n
+        return rows
+
+    def next_decode_rows(self, rows: list[Row]) -> list[Row] | None:
+        """What ``schedule`` will return after ``rows`` commit, if no request stops at an EOS
+        token: every row decodes one more token, less the requests that reach max_new_tokens.
+        Like ``schedule`` it reserves the rows' pages (within the lifetime admission promised;
+        a request that stops at EOS returns them). ``None`` where the next step is not certain
+        enough to plan ahead for: a waiting request that could be admitted once ``rows``
+        commit, or rows that are not decode rows or leave a running request out."""
+        if len(rows) != len(self.running) or (
+                self.waiting and self._head_fits(self.allocator.free_pages
+                                                 - self._promised_pages())):
+            return None
+        following = []
+        for row in rows:
+            request = self.running.get(row.request)
+            if request is None or row.length != 1 or not row.samples or not request.decoding:
+                return None
+            if len(request.generated) + 1 >= request.max_new_tokens:
+                continue  # this step's token is its last
+            following.append(Row(row.request, row.start + 1, 1, samples=True))
+        if self.waiting and len(following) < len(rows):
+            return None  # a request ends with this step: its row and pages may admit another
+        for row in following:
+            reserved = self.allocator.reserve(row.request, row.start + 1)
+            assert reserved, "admission promised these pages"
+        return following or None
+
+    def commit(self, rows: list[Row], new_tokens: dict[int, int],
+               eos_token_ids: frozenset[int]) -> list[tuple[Request, str]]:
+        """Record a step: rows' tokens are cached, sampled tokens appended.
+
+        Returns the requests that finished, with ``"eos"`` or ``"length"``; their pages are free.
+        """
+        finished = []
+        for row in rows:
+            request = self.running[row.request]
+            assert row.start == request.cached
+            request.cached += row.length
+            if not row.samples:
+                continue
+            token = new_tokens[row.request]
+            request.generated.append(token)
+            if token in eos_token_ids:
+                finished.append((request, "eos"))
+            elif len(request.generated) >= request.max_new_tokens:
+                finished.append((request, "length"))
+        for request, _ in finished:
+            self.abort(request.index)
+        return finished
+
+    def abort(self, request_index: int) -> Request:
+        """Stop a running request and return its pages."""
+        request = self.running.pop(request_index)
+        self.allocator.release(request_index)
+        return request

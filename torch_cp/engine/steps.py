@@ -1,0 +1,145 @@
+"""Planning and launching one engine step, eagerly or from a CUDA-graph bucket.
+
+Planning is host work (``build_step_plan``, ``backend.plan``, copies into the bucket's static
+buffers) and a launch only enqueues device work, so the engine can plan step n + 1 while step n
+runs on the device (``Engine(overlap_planning=True)``): everything planning writes on the device
+is a stream-ordered copy that lands after step n's kernels, and FlashInfer's pinned host buffers
+are fenced (``flashinfer_common.PlanFence``). The host indptrs FlashInfer's plan copies are pinned
+too (``plan._upload``): a copy from pageable memory would first wait for step n.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torch_cp.compat import cache_kwarg
+from torch_cp.engine.scheduler import Row
+from torch_cp.hf.cache import PagedKVCache
+from torch_cp.layers import decoder_layers
+from torch_cp.plan import StepPlan, build_step_plan
+
+
+def row_key(rows: Sequence[Row]) -> tuple[tuple[int, int, int], ...]:
+    """What a step's plan depends on besides the page tables: (request, start, length) per row."""
+    return tuple((r.request, r.start, r.length) for r in rows)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A step whose plan is loaded (``cache.begin_step`` ran): ready to launch.
+
+    Attributes:
+        key: ``row_key`` of the rows it was planned for.
+        plan: its step plan; one with a bucket replays that bucket's graph (its tensors are
+            the bucket's static buffers), one without runs eagerly.
+    """
+
+    key: tuple[tuple[int, int, int], ...]
+    plan: StepPlan
+
+
+class StepLauncher:
+    """Plans and launches a patched model's steps over one pool.
+
+    Args:
+        model: the patched model; cache: its ``PagedKVCache``.
+        runner: a ``CUDAGraphRunner`` over the same cache, or None (every step eager).
+        compile: run the steps no bucket fits (long prefills) through the compiled decoder
+            layers too (``compiled_layers``): Inductor fuses their norms, RoPE and activations,
+            which take a third of an eager prefill's kernel time. Token counts vary, so the
+            layers compile once more with a dynamic token dimension (Dynamo's automatic dynamic
+            shapes) and then serve every length.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, runner=None, compile: bool = False):
+        self.model = model
+        self.cache = cache
+        self.runner = runner
+        self._layers_to_compile = decoder_layers(model) if compile else None
+        self.runtime = cache.runtime
+        self._cache_kwarg = cache_kwarg(model)
+
+    def plan(self, rows: Sequence[Row], tables: Sequence[Sequence[int]]) -> PlannedStep:
+        """Plan ``rows`` (page tables ``tables``): into a captured bucket when one fits."""
+        q_lens, ctx_lens = [r.length for r in rows], [r.start for r in rows]
+        plan = self.runner.prepare(q_lens, ctx_lens, tables) if self.runner else None
+        if plan is None:
+            pool = self.cache.pool
+            plan = build_step_plan(q_lens, ctx_lens, tables, page_size=pool.page_size,
+                                   sink_page=pool.sink_page, placement=self.runtime.placement,
+                                   device=self.runtime.device)
+            self.cache.begin_step(plan)
+        return PlannedStep(row_key(rows), plan)
+
+    def launch(self, step: PlannedStep, token_ids: Sequence[int] | torch.Tensor,
+               logit_rows: Sequence[int]) -> torch.Tensor:
+        """Run a planned step: [len(logit_rows), V] logits of those rows' last tokens ([1, V]
+        of row 0 when ``logit_rows`` is empty), computed asynchronously on a GPU.
+
+        ``token_ids``: the step's tokens, row after row, as host ints or as a 1-D tensor on the
+        device (a decode step fed the previous step's sampled ids without a host round trip).
+        """
+        assert self.cache.plan is step.plan, "a launch runs the step planned last"
+        if step.plan.bucket is not None:
+            return self.runner.launch(step.plan, token_ids, logit_rows)
+        device = self.runtime.device
+        if isinstance(token_ids, torch.Tensor):
+            input_ids = token_ids.to(device=device, dtype=torch.long).reshape(1, -1)
+        else:
+            input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        ends = step.plan.qo_indptr_host[1:].to(torch.long) - 1
+        keep = ends[list(logit_rows)] if logit_rows else ends[:1]
+        with torch.inference_mode(), self._layers():
+            out = self.model(input_ids=input_ids,
+                             position_ids=step.plan.positions[None, :len(token_ids)],
+                             use_cache=True, logits_to_keep=keep.to(device),
+                             **{self._cache_kwarg: self.cache})
+        return out.logits[0]
+
+    def _layers(self):
+        if self._layers_to_compile is None:
+            return contextlib.nullcontext()
+        from torch_cp.graphs import compiled_layers
+
+        return compiled_layers(self.model, self._layers_to_compile)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued and whose tokens have not reached the host yet.
+
+    Attributes:
+        rows: the step's rows; ``sampled``: indices of the rows that sample.
+        logits: [len(sampled), V] logits of the sampling rows (computed asynchronously).
+        device_ids: [len(sampled)] greedy token ids on the model's device (rank 0's where
+            ranks broadcast), or None when tokens are sampled on the host.
+    """
+
+    rows: list[Row]
+    sampled: list[int]
+    logits: torch.Tensor
+    device_ids: torch.Tensor | None = None
+    _host_ids: torch.Tensor | None = None
+    _arrived: torch.cuda.Event | None = None
+
+    def send_ids_home(self, ids: torch.Tensor) -> None:
+        """Keep ``ids`` as ``device_ids`` and queue their copy to the host."""
+        self.device_ids = ids
+        if ids.device.type != "cuda":
+            self._host_ids = ids
+            return
+        self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        self._host_ids.copy_(ids, non_blocking=True)
+        self._arrived = torch.cuda.Event()
+        self._arrived.record(torch.cuda.current_stream(ids.device))
+
+    def host_ids(self) -> list[int]:
+        """The greedy ids on the host; waits for this step only, not for steps queued after."""
+        assert self._host_ids is not None, "send_ids_home ran"
+        if self._arrived is not None:
+            self._arrived.synchronize()
+        return self._host_ids.tolist()

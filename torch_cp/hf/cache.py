@@ -1,0 +1,96 @@
+"""PagedKVCache: the transformers ``Cache`` a patched model's forward receives.
+
+It carries the model's runtime, the placed pool and the current step plan. The patched attention
+modules write the pool themselves (through ``ContextParallelAttention``), so ``update`` is never
+called; the model-level code of transformers only asks the cache how to size its attention mask,
+which the patched attention ignores.
+"""
+
+from __future__ import annotations
+
+from transformers.cache_utils import Cache
+
+from torch_cp.kv.pool import GQAPool, MLAPool
+from torch_cp.plan import StepPlan
+from torch_cp.runtime import ModelRuntime, runtime_of
+
+
+class PagedKVCache(Cache):
+    """Pass as ``past_key_values=`` to a patched model, after ``begin_step(plan)`` for each step.
+
+    Args:
+        runtime: the patched model's ``model.torch_cp``.
+        pool: the placed pool (``runtime.new_pool(num_pages, page_size)``).
+
+    Attributes:
+        plan: the step plan of the forward about to run (``None`` before the first step).
+    """
+
+    def __init__(self, runtime: ModelRuntime, pool: GQAPool | MLAPool):
+        super().__init__(layers=[])
+        if pool.placement != runtime.placement:
+            raise ValueError("the pool was built for another placement than the model's")
+        self.runtime = runtime
+        self.pool = pool
+        self.plan: StepPlan | None = None
+
+    @classmethod
+    def for_model(cls, model, num_pages: int, page_size: int | None = None) -> PagedKVCache:
+        """A cache with a fresh pool of ``num_pages`` pages for a patched ``model`` (page size:
+        the one given to ``patch_model`` unless overridden)."""
+        runtime = runtime_of(model)
+        return cls(runtime, runtime.new_pool(num_pages, page_size))
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """Make ``plan`` the plan of the next forward and plan the backend for it (host side)."""
+        if plan.placement != self.runtime.placement:
+            raise ValueError("the step plan was built for another placement than the model's")
+        if (plan.page_size, plan.sink_page) != (self.pool.page_size, self.pool.sink_page):
+            raise ValueError(
+                f"the step plan (page_size {plan.page_size}, sink page {plan.sink_page}) does not "
+                f"match the pool (page_size {self.pool.page_size}, "
+                f"sink page {self.pool.sink_page})")
+        self.plan = plan
+        self.runtime.backend.plan(plan)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        raise RuntimeError("PagedKVCache.update was called: only attention modules patched by "
+                           "torch_cp.patch_model can use this cache, and they write the pool")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached before the current step, for its longest row (rows differ; the patched
+        model takes positions from ``position_ids``, never from this)."""
+        if self.plan is None or self.plan.num_rows == 0:
+            return 0
+        return int(self.plan.ctx_lens.max())
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask transformers builds before the layers. The patched
+        attention ignores that mask, so it spans one key: O(tokens) for any attention
+        implementation (eager would otherwise build a [tokens, tokens] float mask)."""
+        return 1, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def paged_cache_from(cache) -> PagedKVCache:
+    """The ``PagedKVCache`` a patched attention forward received, with a plan; a clear error for
+    anything else (e.g. the ``DynamicCache`` transformers builds when none is passed)."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(
+            f"a model patched by torch_cp needs past_key_values=PagedKVCache(...), got "
+            f"{type(cache).__name__}; build one with PagedKVCache.for_model(model, num_pages)")
+    if cache.plan is None:
+        raise RuntimeError("PagedKVCache.begin_step(plan) must run before the forward")
+    return cache
+
+
+__all__ = ["PagedKVCache", "paged_cache_from"]

@@ -1,0 +1,54 @@
+"""The forward a patched attention module runs: Hugging Face's ``[B, S]`` tokens packed into the
+step plan's tokens, the family's attention over the pool, and the result unpacked again."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_cp.hf.cache import paged_cache_from
+from torch_cp.plan import StepPlan
+
+
+def pack_tokens(plan: StepPlan, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden_states [B, S, hidden] and (cos, sin) [B or 1, S, rot] -> the plan's N tokens:
+    x_nd [N, hidden], cos_nd and sin_nd [N, rot]. A padded input (``plan.token_index``) gives its
+    real tokens, then zeros up to the plan's bucket."""
+    b, s, hidden = hidden_states.shape
+    x_nd = hidden_states.reshape(b * s, hidden)
+    cos_nd, sin_nd = (t.expand(b, s, t.shape[-1]).reshape(b * s, -1) for t in position_embeddings)
+    index = plan.token_index
+    n = plan.positions.shape[0]  # the plan's tokens, bucket padding included
+    if index is not None:
+        pad = (0, 0, 0, n - index.shape[0])
+        x_nd, cos_nd, sin_nd = (F.pad(t[index], pad) for t in (x_nd, cos_nd, sin_nd))
+    if x_nd.shape[0] != n:
+        raise ValueError(f"the step plan has {n} tokens but the model input gives "
+                         f"{x_nd.shape[0]}: pass token_index for a padded [B, S] input")
+    return x_nd, cos_nd, sin_nd
+
+
+def unpack_tokens(plan: StepPlan, out_nd: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """[N, hidden] -> [B, S, hidden]; tokens outside ``plan.token_index`` get zeros."""
+    index = plan.token_index
+    if index is None:
+        return out_nd.view(batch, seq, -1)
+    full = out_nd.new_zeros(batch * seq, out_nd.shape[-1])
+    return full.index_copy(0, index, out_nd[: index.shape[0]]).view(batch, seq, -1)
+
+
+def patched_forward(family, attn: nn.Module):
+    """The forward that replaces ``attn.forward``: takes what the Hugging Face decoder layer
+    passes and runs ``family.forward`` over the ``PagedKVCache``'s pool and plan."""
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        paged = paged_cache_from(cache if cache is not None else past_key_values)
+        plan = paged.plan
+        batch, seq, _ = hidden_states.shape
+        x_nd, cos_nd, sin_nd = pack_tokens(plan, hidden_states, position_embeddings)
+        out_nd = family.forward(attn, x_nd, cos_nd, sin_nd, paged.pool, plan)
+        return unpack_tokens(plan, out_nd, batch, seq), None
+    return forward

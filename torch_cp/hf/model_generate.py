@@ -1,0 +1,180 @@
+"""``model.generate`` on a patched model: a paged cache that plans each step from the padded input.
+
+Hugging Face ``generate`` feeds the model ``[B, S]`` input ids (left-padded in a batch) with a
+``[B, past + S]`` attention mask. ``GenerateCache`` keeps each row's logical length and pages; a
+forward pre-hook on the model turns each call's ids and mask into a step plan whose
+``token_index`` picks the real tokens out of the flattened ``[B * S]`` input, and drops the mask
+(the patched attention reads the plan, not the mask, so transformers need not build one).
+
+    install_generate(model)        # patch_model calls it; idempotent
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=32)       # cache made for you
+    model.generate(..., cache=torch_cp.new_cache(model, batch_size=4, max_length=4096))
+
+``generate`` refuses unknown keyword arguments, so the pool cannot be sized through it: it is sized
+from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly).
+Beam search is not supported (a paged cache does not reorder rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_cp import compat
+from torch_cp.hf.cache import PagedKVCache
+from torch_cp.kv.allocator import PageAllocator
+from torch_cp.plan import build_step_plan
+from torch_cp.runtime import runtime_of
+
+
+class GenerateCache(PagedKVCache):
+    """A ``PagedKVCache`` whose step plans come from padded ``[B, S]`` inputs (``model.generate``).
+
+    Args:
+        runtime, pool: as for ``PagedKVCache``.
+        batch_size: rows B of every forward it serves.
+    """
+
+    def __init__(self, runtime, pool, batch_size: int):
+        super().__init__(runtime, pool)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.rows = batch_size
+        self.allocator = PageAllocator(pool.num_pages, pool.page_size)
+        self.row_lens = [0] * batch_size  # real tokens cached per row
+        self.columns = 0  # padded columns seen: the length transformers counts
+
+    def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Plan the forward of ``input_ids`` [B, S] whose real tokens ``attention_mask``
+        [B, past + S] (or [B, S]; ``None``: all real) marks with 1."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.rows:
+            raise ValueError(f"this cache serves input_ids of shape [{self.rows}, S], "
+                             f"got {list(input_ids.shape)}")
+        b, s = input_ids.shape
+        mask = (torch.ones(b, s, dtype=torch.bool) if attention_mask is None
+                else attention_mask[:, -s:].to("cpu", torch.bool))
+        q_lens = mask.sum(1).tolist()
+        rows = [r for r in range(b) if q_lens[r] > 0]  # a chunk may hold only a row's padding
+        if not rows:
+            raise ValueError("the input has no real token (its attention mask is all zeros)")
+        for r in rows:
+            if not self.allocator.reserve(r, self.row_lens[r] + q_lens[r]):
+                raise ValueError(
+                    f"row {r} needs {self.row_lens[r] + q_lens[r]} tokens, more than this cache's "
+                    f"pool of {self.pool.num_pages} pages holds: build a larger one with "
+                    f"torch_cp.new_cache(model, batch_size, max_length)")
+        # Tokens of a row are consecutive in the flattened input, so rows stay in order.
+        token_index = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+        plan = build_step_plan(
+            [q_lens[r] for r in rows], [self.row_lens[r] for r in rows],
+            [self.allocator.table_tensor(r) for r in rows], page_size=self.pool.page_size,
+            sink_page=self.pool.sink_page, placement=self.runtime.placement,
+            device=self.runtime.device, token_index=token_index)
+        self.begin_step(plan)
+        for r in rows:
+            self.row_lens[r] += q_lens[r]
+        self.columns += s
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Padded columns already fed (what ``generate`` slices its next input by)."""
+        return self.columns
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    # The base class answers from its (empty) layer list; answer for the pool's attention layers.
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.runtime.num_layers
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.runtime.num_layers
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def reorder_cache(self, beam_idx):
+        raise ValueError("torch_cp's paged cache does not support beam search (num_beams > 1)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise ValueError("torch_cp's paged cache cannot expand rows after it is built")
+
+    def batch_select_indices(self, indices):
+        raise ValueError("torch_cp's paged cache cannot select rows")
+
+    def crop(self, max_length: int):
+        raise ValueError("torch_cp's paged cache cannot be cropped (assisted decoding)")
+
+
+def new_cache(model, batch_size: int, max_length: int, page_size: int | None = None
+              ) -> GenerateCache:
+    """A cache for ``model.generate(..., cache=...)`` on a patched model.
+
+    Args:
+        model: patched by ``torch_cp.patch_model``.
+        batch_size: rows of the generate call (``num_return_sequences`` included).
+        max_length: the longest row, prompt (with its padding) and new tokens.
+        page_size: tokens per page (default: the one given to ``patch_model``).
+    """
+    runtime = runtime_of(model)
+    problems = [f"{name} must be >= 1, got {v}" for name, v in
+                (("batch_size", batch_size), ("max_length", max_length)) if v < 1]
+    if problems:
+        raise ValueError("; ".join(problems))
+    size = runtime.page_size if page_size is None else page_size
+    pages = batch_size * -(-max_length // size)
+    install_generate(model)
+    return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size)
+
+
+def _plan_before_forward(module, args, kwargs):
+    """Forward pre-hook: plan the step of a ``GenerateCache`` and drop the attention mask."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, GenerateCache):
+        return None
+    # generate() passes keywords; a direct call may pass (input_ids, attention_mask) positionally.
+    names = ("input_ids", "attention_mask")
+    kwargs.update({name: value for name, value in zip(names, args)})
+    args = args[len(names):]
+    if kwargs.get("input_ids") is None:
+        raise ValueError("a torch_cp-patched model generates from input_ids, not inputs_embeds")
+    cache.prepare(kwargs["input_ids"], kwargs.get("attention_mask"))
+    kwargs["attention_mask"] = None
+    return args, kwargs
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
+                                  batch_size, max_cache_length):
+    """Make a ``GenerateCache`` unless the caller passed a cache or turned caching off."""
+    user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if user is not None or generation_config.use_cache is False:
+        return compat.prepare_cache_default(self, generation_config, model_kwargs,
+                                            generation_mode, batch_size, max_cache_length)
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
+                         f"supported by a torch_cp-patched model; leave it unset")
+    if generation_config.num_beams > 1:
+        raise ValueError("torch_cp's paged cache does not support beam search (num_beams > 1)")
+    rows = max(generation_config.num_return_sequences or 1, 1) * batch_size
+    model_kwargs["cache"] = new_cache(self, rows, max_cache_length)
+
+
+def install_generate(model) -> None:
+    """Make ``model.generate`` use a ``GenerateCache`` (idempotent; ``patch_model`` calls it)."""
+    if getattr(model, "_torch_cp_generate_installed", False):
+        return
+    model._torch_cp_generate_hook = model.register_forward_pre_hook(_plan_before_forward,
+                                                                    with_kwargs=True)
+    compat.override_prepare_cache(model, _prepare_cache_for_generation)
+    model._torch_cp_generate_installed = True
+
+
+def uninstall_generate(model) -> None:
+    """Undo ``install_generate`` (``unpatch_model`` calls it); a no-op when not installed."""
+    hook = model.__dict__.pop("_torch_cp_generate_hook", None)
+    if hook is not None:
+        hook.remove()
+    compat.restore_prepare_cache(model)
+    model.__dict__.pop("_torch_cp_generate_installed", None)

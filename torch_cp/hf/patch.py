@@ -1,0 +1,100 @@
+"""patch_model: validate, pick the family, shard for TP, swap the attention forwards.
+
+After patching, the model's forward takes ``past_key_values=PagedKVCache`` (with a step plan) and
+attends through ``ContextParallelAttention`` over the placed paged pool. The model's own weights
+are used in place; with ``tp > 1`` they are cut to this rank's shards, which cannot be undone.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torch_cp.attention.exchange import Exchange
+from torch_cp.attention.module import ContextParallelAttention
+from torch_cp.attention.select import make_backend
+from torch_cp.hf import model_generate
+from torch_cp.hf.forward import patched_forward
+from torch_cp.hf.validate import validate_patch
+from torch_cp.layers import attention_modules, decoder_mlps
+from torch_cp.mesh import AXES, kv_head_replicas, partner_placement
+from torch_cp.models import Family
+from torch_cp.placement import ContextParallel
+from torch_cp.runtime import ModelRuntime, runtime_of
+from torch_cp.tp import row_parallel, shard_mlp
+
+_ABSENT = object()
+
+
+def _shard(model: nn.Module, family: Family, attns: list[nn.Module], tp_rank: int, tp: int,
+           group) -> None:
+    layout = kv_head_replicas(family.kv_heads(model.config), tp)
+    for attn in attns:
+        family.shard_attention(attn, tp_rank, tp, layout)
+        row_parallel(attn, "o_proj", group)
+    for mlp in decoder_mlps(model):
+        shard_mlp(mlp, tp_rank, tp, group)
+
+
+def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mode: str = "tp",
+                backend: str = "torch", page_size: int = 16) -> nn.Module:
+    """Patch a Hugging Face Qwen/GLM model in place to attend over a placed paged KV pool.
+
+    Args:
+        model: a transformers model of a supported ``config.model_type`` (see
+            ``torch_cp.models.SUPPORTED_MODEL_TYPES``), fp32/bf16/fp16.
+        context_parallel: stripe the pool over the ranks that share a KV head.
+        mesh: ``torch_cp.init_mesh(tp=, sp=)`` (axes ("sp", "tp")) or None (one rank).
+        mode: ``"tp"`` (partners: TP ranks sharing a KV head, tp > kv_heads) or ``"sp"``
+            (partners: the SP ranks; heads split over TP alone).
+        backend: ``"torch"``, ``"flashinfer"`` or ``"auto"``.
+        page_size: logical page size of the pools this model will use; a multiple of P.
+    Returns:
+        ``model``, with ``model.torch_cp`` (a ``ModelRuntime``) and each attention module's
+        ``cp_attention``. Its forward then needs ``past_key_values=PagedKVCache(...)`` with a
+        step plan (``model.generate`` makes one itself, see ``torch_cp.hf.model_generate``).
+    Raises:
+        ValueError naming every problem, before anything is allocated or modified; also when
+        the model is already patched.
+    """
+    s = validate_patch(model, context_parallel=context_parallel, mesh=mesh, mode=mode,
+                       backend=backend, page_size=page_size)
+    family = s.family
+    placement = (partner_placement(mesh, mode, family.kv_heads(model.config))
+                 if s.context_parallel else ContextParallel.single())
+    exchange = Exchange(placement)
+    tp_rank = mesh.get_local_rank(AXES[1]) if mesh is not None else 0
+    tp_group = mesh.get_group(AXES[1]) if s.tp > 1 else None
+    geometry = family.geometry(model.config, s.tp, placement)
+    attn_backend = make_backend(backend, geometry, s.device, s.dtype)
+    attns = attention_modules(model, family.attention_classes)
+    if s.tp > 1:
+        _shard(model, family, attns, tp_rank, s.tp, tp_group)
+    runtime = ModelRuntime(placement, exchange, attn_backend, geometry, len(attns), s.dtype,
+                           s.device, page_size, s.tp, tp_rank, tp_group, family)
+    for attn in attns:
+        runtime.originals.append((attn, attn.__dict__.get("forward", _ABSENT)))
+        attn.cp_attention = ContextParallelAttention(attn.layer_idx, attn_backend, exchange)
+        attn.forward = patched_forward(family, attn)
+    model.torch_cp = runtime
+    model_generate.install_generate(model)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Restore the original attention forwards of a model patched without TP sharding.
+
+    Raises ValueError if the model is not patched, or if it was sharded over tp > 1: sharding is
+    one-way (the other ranks' weights are gone), so reload the model instead.
+    """
+    runtime = runtime_of(model)
+    if runtime.tp > 1:
+        raise ValueError(f"the model was sharded over tp = {runtime.tp}: TP sharding is one-way, "
+                         f"reload the model instead of unpatching it")
+    for attn, original in runtime.originals:
+        del attn.forward
+        if original is not _ABSENT:
+            attn.forward = original
+        del attn.cp_attention
+    model_generate.uninstall_generate(model)
+    del model.torch_cp
+    return model

@@ -1,0 +1,127 @@
+"""Every check ``patch_model`` runs before it allocates or modifies anything; all at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_cp.attention.select import BACKEND_NAMES, flashinfer_problems
+from torch_cp.layers import attention_modules, decoder_mlps
+from torch_cp.mesh import AXES, context_parallel_problems
+from torch_cp.models import Family, family_for
+from torch_cp.placement import ContextParallel, page_size_problems
+from torch_cp.tp import mlp_problems
+
+MODES = ("tp", "sp")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PatchSettings:
+    """What validation resolved; ``patch_model`` builds from it."""
+
+    family: Family
+    context_parallel: bool
+    mode: str
+    backend: str
+    page_size: int
+    tp: int
+    sp: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _model_dtype_device(model: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
+    param = next(model.parameters(), None)
+    if param is None:
+        return None, None
+    return getattr(model, "dtype", param.dtype), param.device
+
+
+def backend_problems(name: str, family: Family | None, config, dtype: torch.dtype | None,
+                     device: torch.device | None) -> list[str]:
+    """Unknown backend names; for ``"flashinfer"``, every reason it cannot run this model here."""
+    if name not in BACKEND_NAMES:
+        return [f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}"]
+    if name != "flashinfer" or family is None or device is None:
+        return []
+    # What FlashInfer checks (head dims, dtype, device) does not depend on the TP split.
+    geometry = family.geometry(config, 1, ContextParallel.single())
+    return [f"backend 'flashinfer': {p}" for p in flashinfer_problems(geometry, device, dtype)]
+
+
+def _mesh_sizes(mesh, problems: list[str]) -> tuple[int | None, int | None]:
+    if mesh is None:
+        return 1, 1
+    if not isinstance(mesh, DeviceMesh):
+        problems.append(f"mesh must be a DeviceMesh (torch_cp.init_mesh) or None, got "
+                        f"{type(mesh).__name__}")
+        return None, None
+    if tuple(mesh.mesh_dim_names or ()) != AXES:
+        problems.append(f"mesh axes must be named {AXES}, got {mesh.mesh_dim_names}")
+        return None, None
+    return mesh.size(AXES.index("tp")), mesh.size(AXES.index("sp"))
+
+
+def _layer_problems(model: nn.Module, family: Family) -> list[str]:
+    layers = [m.layer_idx for m in attention_modules(model, family.attention_classes)]
+    if not layers or layers != list(range(len(layers))):
+        return [f"expected {'/'.join(family.attention_classes)} modules with layer indices "
+                f"0..n-1, found {layers}"]
+    return []
+
+
+def _context_parallel_problems(kv_heads: int, mode: str, tp: int, sp: int, page_size) -> list[str]:
+    problems = context_parallel_problems(mode, kv_heads, tp, sp)
+    if problems or page_size_problems(page_size, 1):
+        return problems  # a page size that is no positive int is reported once, above
+    partners, who = (tp // kv_heads, "TP ranks sharing a KV head") if mode == "tp" else (
+        sp, "SP ranks")
+    return [f"{p} ({who})" for p in page_size_problems(page_size, partners)]
+
+
+def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,
+                   page_size: int) -> PatchSettings:
+    """Check every ``patch_model`` argument against the model; ValueError naming every problem."""
+    problems: list[str] = []
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("cannot patch: the model has no config (expected a transformers model)")
+    if hasattr(model, "torch_cp"):
+        problems.append("the model is already patched (call torch_cp.unpatch_model first)")
+    family = None
+    try:
+        family = family_for(config.model_type)
+    except ValueError as e:
+        problems.append(str(e))
+    if mode not in MODES:
+        problems.append(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    problems += page_size_problems(page_size, 1)
+    dtype, device = _model_dtype_device(model)
+    if dtype not in DTYPES:
+        problems.append(f"dtype must be float32, bfloat16 or float16, the model has {dtype}")
+    tp, sp = _mesh_sizes(mesh, problems)
+    if tp is not None and mesh is not None and device is not None and (
+            mesh.device_type != device.type):
+        problems.append(f"the mesh is on {mesh.device_type} but the model is on {device.type}")
+
+    if family is not None:
+        problems += _layer_problems(model, family)
+        if tp is not None:
+            problems += family.problems(config, tp)
+            if tp > 1:
+                problems += dict.fromkeys(p for mlp in decoder_mlps(model)
+                                          for p in mlp_problems(mlp, tp))
+    problems += backend_problems(backend, family, config, dtype, device)
+    if context_parallel and mesh is None:
+        problems.append("context_parallel=True needs a mesh whose ranks share KV heads "
+                        "(TP mode: tp > kv_heads; SP mode: sp >= 2)")
+    elif context_parallel and family is not None and tp is not None and mode in MODES:
+        problems += _context_parallel_problems(family.kv_heads(config), mode, tp, sp, page_size)
+    if problems:
+        raise ValueError("cannot patch the model:\n  - " + "\n  - ".join(problems))
+    return PatchSettings(family, bool(context_parallel), mode, backend, page_size, tp, sp,
+                         dtype, device)
