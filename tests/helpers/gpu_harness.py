@@ -182,6 +182,8 @@ def run_placed(make_backend: Callable[[AttentionGeometry], object], shape: Shape
         pool = _new_pool(shape, inputs, batch.page_size, cp, dtype, device, pool_seed + rank)
         _write_context(pool, inputs, batch.page_size, cp)
         backend = make_backend(geometry)
+        if plan.bucket is not None:  # a padded step runs the bucket's graph-ready kernels
+            backend.add_bucket(plan.bucket)
         backend.plan(plan)
         pool.write(0, inputs.k_new, inputs.v_new, plan.write_index)
         contexts.append(backend.run_context(inputs.q, pool.tensors, 0))
