@@ -47,9 +47,24 @@ def tiny_config(model_type: str, **overrides):
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """fp32 model of ``tiny_config(model_type, **overrides)`` with random weights, deterministic
+    per ``seed``. Hugging Face initialises biases to zero, so a sharded bias (q/k/v biases split
+    with their heads, o_proj's bias added once after the all-reduce) could be wrong without any
+    test noticing: every bias parameter gets ``0.1 * randn`` instead, drawn after the weights.
+
+    Biases per family (transformers 5): qwen2, glm, glm4 have q/k/v biases always; qwen3,
+    qwen3_moe have q/k/v and o_proj biases with ``attention_bias=True`` (the only GQA configs
+    with an o_proj bias); glm4_moe has q/k/v biases with ``attention_bias=True``. No MLP or
+    expert has a bias (glm4_moe's router ``e_score_correction_bias`` is a buffer, left at zero).
+    """
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
 
 
 @torch.no_grad()

@@ -84,6 +84,9 @@ def write_layer(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Te
 def _store(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
            write_index: torch.Tensor, layer_idx: int) -> None:
     caches = [c[layer_idx] for c in caches]
+    # Indexing would broadcast a wrong head count into the pool (a sharding bug) silently.
+    slots = [caches[0].shape[3:]] * 2 if len(caches) == 1 else [c.shape[2:] for c in caches]
+    assert [new_a.shape[1:], new_b.shape[1:]] == slots, f"new K/V do not fit the pool's {slots}"
     if len(caches) == 1:
         write_kv_slots(caches[0], new_a, new_b, write_index)
         return
