@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -84,32 +85,62 @@ def context_parallel_problems(mode: Mode, num_kv_heads: int, tp: int, sp: int) -
     return []
 
 
+def _partner_problems(mode: Mode, num_kv_heads: int, tp: int, sp: int) -> list[str]:
+    """Why partner groups cannot be formed in ``mode`` on an (sp, tp) mesh (empty when they can)."""
+    problems = context_parallel_problems(mode, num_kv_heads, tp, sp)
+    if mode == "tp":
+        try:
+            kv_head_replicas(num_kv_heads, tp)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def partner_groups(sp: int, tp: int, num_kv_heads: int, mode: Mode) -> list[list[int]]:
+    """Every partner group of an (sp, tp) mesh, each ordered by partner index.
+
+    Ranks are mesh positions ``sp_index * tp + tp_index`` (DeviceMesh's row-major order over
+    ``AXES``), so they are global ranks for a mesh from ``init_mesh``. TP mode: the TP ranks of
+    one SP index that hold the same KV head, ``replicas = tp // num_kv_heads`` consecutive ones
+    (MLA: pass 1 head, so all TP ranks), partner index ``tp_index % replicas``. SP mode: the SP
+    ranks of one TP index, partner index ``sp_index``. Every rank is in exactly one group.
+    ValueError (naming every problem) when context parallelism cannot run so.
+    """
+    problems = _partner_problems(mode, num_kv_heads, tp, sp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    grid = torch.arange(sp * tp).view(sp, tp)
+    if mode == "sp":
+        return grid.t().tolist()
+    replicas = kv_head_replicas(num_kv_heads, tp).replicas
+    return grid.view(sp, tp // replicas, replicas).reshape(-1, replicas).tolist()
+
+
 def partner_placement(mesh: DeviceMesh | None, mode: Mode, num_kv_heads: int) -> ContextParallel:
     """This rank's placement: TP mode over the TP ranks sharing its KV head (MLA: pass 1 head, so
-    all TP ranks), SP mode over the SP ranks of its TP index."""
+    all TP ranks), SP mode over the SP ranks of its TP index (the groups of ``partner_groups``).
+
+    Call it on every rank of the mesh: where partners are fewer than the TP ranks, every rank
+    creates every partner group (the same collective calls on each)."""
     if mesh is None:
         return ContextParallel.single()
     tp, sp = mesh.size(AXES.index("tp")), mesh.size(AXES.index("sp"))
-    problems = context_parallel_problems(mode, num_kv_heads, tp, sp)
-    layout = None
-    if mode == "tp":
-        try:
-            layout = kv_head_replicas(num_kv_heads, tp)
-        except ValueError as e:
-            problems.append(str(e))
+    problems = _partner_problems(mode, num_kv_heads, tp, sp)
     if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
         # the partner groups below are created collectively by every rank of the world
         problems.append(f"the mesh spans {mesh.mesh.numel()} ranks, not the whole world of "
                         f"{dist.get_world_size()}: build it with torch_cp.init_mesh")
     if problems:
         raise ValueError("; ".join(problems))
-    if mode == "sp":
-        return ContextParallel(sp, mesh.get_local_rank("sp"), "sp", mesh.get_group("sp"))
-    tp_rank = mesh.get_local_rank("tp")
-    if layout.replicas == tp:
-        return ContextParallel(tp, tp_rank, "tp", mesh.get_group("tp"))
-    partners = DeviceMesh(mesh.device_type,
-                          mesh.mesh.view(sp, tp // layout.replicas, layout.replicas),
-                          mesh_dim_names=("sp", "kv", "partner"))
-    return ContextParallel(layout.replicas, layout.partner_index(tp_rank), "tp",
-                           partners.get_group("partner"))
+    groups = partner_groups(sp, tp, num_kv_heads, mode)
+    me = mesh.get_local_rank("sp") * tp + mesh.get_local_rank("tp")
+    mine = next(g for g in groups if me in g)
+    if mode == "sp":  # the mesh's own groups along "sp" and "tp" are these groups
+        group = mesh.get_group("sp")
+    elif len(mine) == tp:
+        group = mesh.get_group("tp")
+    else:
+        ranks = mesh.mesh.flatten()[torch.tensor(groups)]  # mesh positions -> global ranks
+        partners = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("kv", "partner"))
+        group = partners.get_group("partner")
+    return ContextParallel(len(mine), mine.index(me), mode, group)

@@ -74,3 +74,25 @@ def test_capture_step_writes_only_the_sink_page():
         assert torch.equal(plan.write_index // plan.local_page_size,
                            torch.full_like(plan.write_index, 99))
         assert plan.is_decode == bucket.decode
+
+
+def test_pick_bucket_takes_the_fewest_tokens_then_the_fewest_rows():
+    """Several mixed buckets a step fits: the one with the fewest tokens wins even with more rows,
+    rows break a tie of tokens; against a brute force over every step shape, whatever the order
+    the buckets are given in."""
+    wide, many, fewer_rows = Bucket(2, 64, 2), Bucket(8, 32, 8), Bucket(4, 32, 4)
+    assert pick_bucket([wide, many], 2, 20, decode=False, table_width=1) == many
+    assert pick_bucket([many, wide], 2, 20, decode=False, table_width=1) == many
+    assert pick_bucket([wide, many, fewer_rows], 2, 20, False, 1) == fewer_rows
+    assert pick_bucket([wide, many, fewer_rows], 6, 20, False, 1) == many
+    assert pick_bucket([wide, many, fewer_rows], 2, 40, False, 1) == wide
+    buckets = default_buckets(16, 2, mixed=[(2, 64), (8, 32), (4, 32), (16, 128), (1, 16)])
+    for order in (buckets, buckets[::-1], buckets[1::2] + buckets[::2]):
+        for rows in range(1, 18):
+            for tokens in range(rows, 130):
+                for decode in (False, True):
+                    fits = [b for b in buckets if b.decode == decode and b.rows >= rows
+                            and b.tokens >= tokens and b.table_width >= 2]
+                    want = min(fits, key=lambda b: (b.tokens, b.rows)) if fits else None
+                    got = pick_bucket(order, rows, tokens, decode, table_width=2)
+                    assert got == want, (rows, tokens, decode)
