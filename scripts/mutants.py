@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -178,7 +179,7 @@ def run(mutant: Mutant, timeout: int) -> dict:
         path.write_text(original.replace(mutant.old, mutant.new))
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                                *tests], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env={**os.environ, "TORCH_CP_MUTANTS": "1"})
         status = "killed" if done.returncode != 0 else "survived"
         tail = done.stdout.strip().splitlines()[-1:] if done.stdout else []
     except subprocess.TimeoutExpired:

@@ -6,14 +6,21 @@ hf/ (patching, the cache, model.generate), models/ (the families), engine/, grap
 project/ (layering, private hooks, benchmarks, notebook, the NCCL launcher).
 """
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
+
+# scripts/mutants.py: a failing property only needs to fail, not to shrink to its smallest case.
+settings.register_profile("mutants", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+if os.environ.get("TORCH_CP_MUTANTS"):
+    settings.load_profile("mutants")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,11 +30,6 @@ def reference():
     return out
 
 
-@pytest.fixture(scope="module")
-def model():
-    return torch_cp.patch_model(tiny_qwen3())
-
-
 def _steps(engine):
     """Record each step's (q_lens, ctx_lens) and the requests holding pages then."""
     seen, live = [], []

@@ -8,12 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import torch_cp
 from torch_cp.engine import Engine
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
 from torch_cp.kv import PageAllocator
-from torch_cp.tiny import tiny_qwen3
 
 PROMPTS = [[42], [200, 3, 150, 7, 99], list(range(1, 20)), [(7 * i) % 300 + 1 for i in range(40)]]
 NEW = [12, 5, 9, 12]
@@ -121,11 +119,6 @@ def test_launching_ahead_ends_every_request_as_without_it(requests, eos, spare, 
     eos_after = dict(enumerate(eos))
     plain = _drive(requests, need + spare, page_size, eos_after, ahead=False, max_rows=max_rows)
     assert _drive(requests, need + spare, page_size, eos_after, True, max_rows) == plain
-
-
-@pytest.fixture(scope="module")
-def model():
-    return torch_cp.patch_model(tiny_qwen3())
 
 
 CASES = {

@@ -95,13 +95,6 @@ PROMPT = [5, 17, 33, 101, 7]
 SEED = 3
 
 
-@pytest.fixture(scope="module")
-def model():
-    import torch_cp
-
-    return torch_cp.patch_model(torch_cp.tiny_qwen3())
-
-
 def test_the_requests_of_one_call_draw_independent_streams():
     """One seed, four requests: four different generator streams (the seed of each request
     mixes in its index), and the same streams again from the same seed."""
