@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """The tests' matmuls are tiny, and on a shared 2-core machine intra-op threads only contend
-    with the other tests' processes (spawned ranks set one thread too, tests/multirank.py)."""
+    with the other tests' processes (spawned ranks set one thread too: helpers/multirank.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

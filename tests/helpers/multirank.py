@@ -10,6 +10,7 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,3 +51,15 @@ def run_ranks(world_size: int, fn, *args) -> list:
         errors.sort(key=lambda e: "Connection closed by peer" in e)
         raise RuntimeError("\n".join(errors))
     return [value for _, value in outcomes]
+
+
+def ranks_by_world(fn, cases) -> Callable[[int], list]:
+    """``world -> run_ranks(world, fn, the cases whose .world is world)``, each world size
+    spawned once, on first use (for a module-scoped fixture)."""
+    spawned = {}
+
+    def results(world: int) -> list:
+        if world not in spawned:
+            spawned[world] = run_ranks(world, fn, [c for c in cases if c.world == world])
+        return spawned[world]
+    return results

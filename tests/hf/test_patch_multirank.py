@@ -21,7 +21,7 @@ from driver import (
     hf_greedy,
     tiny_model,
 )
-from multirank import run_ranks
+from multirank import ranks_by_world
 
 import torch_cp
 from torch_cp.kv import GQAPool
@@ -107,13 +107,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> dict:
 @pytest.fixture(scope="module")
 def ranks():
     """world size -> each rank's results for the cases of that size (spawned once per size)."""
-    spawned = {}
-
-    def results(world: int) -> list[dict]:
-        if world not in spawned:
-            spawned[world] = run_ranks(world, _run_cases, [c for c in CASES if c.world == world])
-        return spawned[world]
-    return results
+    return ranks_by_world(_run_cases, CASES)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """MLA families end to end at P = 1: a patched model generates the unpatched model's greedy tokens
 and last logits, through the packed greedy driver and through its own ``model.generate`` on a
-left-padded batch. (Attention-level checks: tests/test_patch_mla.py; P > 1:
-tests/test_patch_mla_multirank.py.)"""
+left-padded batch. (Attention-level checks: tests/models/test_patch_mla.py; P > 1:
+tests/models/test_patch_mla_multirank.py.)"""
 
 from __future__ import annotations
 

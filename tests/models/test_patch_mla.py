@@ -1,6 +1,6 @@
 """MLA families (models/mla.py): absorbed attention over the placed latent pool equals the Hugging
 Face module's own decompressed attention, for prefill, extend and decode steps; a patched model
-generates the unpatched model's greedy tokens (tests/test_generate_mla.py).
+generates the unpatched model's greedy tokens (tests/models/test_generate_mla.py).
 
 The attention-level harness builds the pool, plan and backend by hand from the core, apart from
 patch_model.

@@ -6,7 +6,7 @@ on the packed tokens ``[1, N]``, and the last token of every row that reaches it
 is sampled. Every rank runs the same loop with the same decisions (lockstep). Rank 0's sampled
 tokens are broadcast to the other ranks, so a last-bit difference in their logits can never split
 the schedulers; with the same seed, sampling itself is also identical on every rank (see
-``torch_cp.sampling``).
+``torch_cp.engine.sampling``).
 """
 
 from __future__ import annotations
