@@ -82,9 +82,10 @@ MUTANTS = [
     # merge (partners) and the own-token merge
     Mutant("merge-base-e", "torch_cp/attention/partial.py", "weight = torch.exp2(lse - top)",
            "weight = torch.exp(lse - top)", MERGE),
-    Mutant("merge-empty-top", "torch_cp/attention/partial.py",
-           "top = torch.where(torch.isinf(top), torch.zeros_like(top), top)", "top = top",
-           MERGE),
+    # Not "drop the -inf guard on the max": the merge's later guards make that one equivalent.
+    Mutant("merge-empty-total", "torch_cp/attention/partial.py",
+           "safe_total = torch.where(total > 0, total, torch.ones_like(total))",
+           "safe_total = total", MERGE),
     Mutant("merge-kernel-lse-clamp", "torch_cp/attention/merge.py",
            "return lse.float().clamp_min(EMPTY_LSE)", "return lse.float()", MERGE),
     Mutant("own-token-merge-dropped", "torch_cp/attention/module.py",
