@@ -198,7 +198,7 @@ def parse_plan(text: str) -> list[tuple[str, int, list[str]]]:
 
 def model_info(name: str, model, dtype, build_s: float) -> dict:
     return dict(model=name, build_s=build_s, params=sum(p.numel() for p in model.parameters()),
-                weight_bytes_read=models.weight_bytes_read(model),
+                weight_bytes_read={},  # per batch size, filled as blocks start
                 kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype))
 
 
@@ -206,12 +206,16 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
               prompt: int, systems: list[str], batches: list[int], args, copy_bw: float,
               device, smoke: bool) -> list[dict]:
     records, state = [], {}
+    for batch in batches:  # MoE: the experts a step routes to, measured on the unpatched model
+        if batch not in info["weight_bytes_read"]:
+            info["weight_bytes_read"][batch] = models.weight_bytes_read(model, batch)
     for system in systems:
         for batch in batches:
             base = dict(model=model_name, system=system, prompt=prompt, batch=batch,
                         new_tokens=args.new_tokens)
             kv_read = info["kv_bytes_per_token"] * batch * (prompt + args.new_tokens / 2)
-            base["roofline_ms"] = (info["weight_bytes_read"] + kv_read) / copy_bw * 1e3
+            weights = info["weight_bytes_read"][batch]
+            base["roofline_ms"] = (weights + kv_read) / copy_bw * 1e3
             if not budget.allows(MIN_SECONDS[system]):
                 results.add(**base, skipped=f"time budget ({budget.left():.0f} s left)")
                 continue

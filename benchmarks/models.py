@@ -5,7 +5,14 @@ step must read, for the memory roofline."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3Config
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    Glm4MoeLiteConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 # Qwen3-8B (config.json of Qwen/Qwen3-8B).
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -22,6 +29,16 @@ MLA_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
               kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
               max_position_embeddings=40960, rope_theta=10000.0, tie_word_embeddings=False,
               rope_scaling=None)
+# Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): 128 experts of 768 channels, top 8.
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     max_position_embeddings=40960, rope_theta=1000000.0,
+                     tie_word_embeddings=False, rms_norm_eps=1e-6)
+# GLM-4.7-Flash (glm4_moe_lite; transformers' config defaults are its config.json): MLA with
+# kv_lora 512 / rope 64, 64 experts of 1536 channels, top 4, one shared expert, layer 0 dense.
+GLM_FLASH = dict(rope_scaling=None)
 SMOKE_QWEN = dict(QWEN3_8B, vocab_size=320, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 SMOKE_MLA = dict(MLA_8B, vocab_size=320, hidden_size=64, intermediate_size=128,
@@ -30,12 +47,32 @@ SMOKE_MLA = dict(MLA_8B, vocab_size=320, hidden_size=64, intermediate_size=128,
                  qk_nope_head_dim=16, v_head_dim=16)
 
 
+SMOKE_MOE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_experts=8, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32,
+                 q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                 mlp_layer_types=["dense", "sparse"])
+
+
 def config_for(name: str, smoke: bool):
     if name == "qwen3":
         return Qwen3Config(**(SMOKE_QWEN if smoke else QWEN3_8B))
     if name == "mla":
         return DeepseekV3Config(**(SMOKE_MLA if smoke else MLA_8B))
-    raise ValueError(f"unknown model {name!r}: qwen3 or mla")
+    if name == "qwen3_moe":
+        fields = dict(QWEN3_30B_A3B, **(SMOKE_MOE if smoke else {}))
+        fields.pop("mlp_layer_types", None)
+        return Qwen3MoeConfig(**{k: v for k, v in fields.items()
+                                 if k not in ("n_routed_experts", "kv_lora_rank", "q_lora_rank",
+                                              "qk_rope_head_dim", "qk_nope_head_dim",
+                                              "v_head_dim")})
+    if name == "glm_flash":
+        fields = dict(GLM_FLASH, **(SMOKE_MOE if smoke else {}))
+        fields.pop("num_key_value_heads", None)
+        return Glm4MoeLiteConfig(**{k: v for k, v in fields.items()
+                                    if k not in ("num_experts", "head_dim")},
+                                 **(dict(num_key_value_heads=4) if smoke else {}))
+    raise ValueError(f"unknown model {name!r}: qwen3, mla, qwen3_moe or glm_flash")
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = False):
@@ -45,16 +82,50 @@ def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = Fal
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if experts_of(model):  # the peers and torch_cp run the same experts (graphs/experts.py)
+        model.set_experts_implementation("grouped_mm" if dtype == torch.bfloat16
+                                         else "batched_mm")
     return model.eval()
 
 
-def weight_bytes_read(model) -> int:
-    """Bytes of the weights one decode step reads: every parameter except an untied input
-    embedding table, of which a step reads only its rows."""
+def experts_of(model) -> list[nn.Module]:
+    return [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None),
+                                                             nn.Module)]
+
+
+@torch.inference_mode()
+def routed_expert_bytes(model, batch: int) -> int:
+    """Bytes of routed expert weights one decode step of ``batch`` tokens reads, measured: one
+    forward of ``batch`` one-token sequences through the unpatched model, counting the experts
+    each MoE layer's router picks (each once per layer)."""
+    experts = experts_of(model)
+    if not experts:
+        return 0
+    picked = []
+    hooks = [e.register_forward_pre_hook(lambda m, args: picked.append(args[1].unique().numel()))
+             for e in experts]
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1),
+                        generator=torch.Generator().manual_seed(batch))
+    try:
+        model(input_ids=ids.to(model.device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    e = experts[0]
+    per_expert = (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.down_proj.element_size()
+    return sum(picked) * per_expert
+
+
+def weight_bytes_read(model, batch: int = 1) -> int:
+    """Bytes of the weights one decode step of ``batch`` tokens reads: every parameter except an
+    untied input embedding table, of which a step reads only its rows; of MoE experts only those
+    the step's tokens route to (``routed_expert_bytes``)."""
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters()
-               if tied or p is not embed)
+    routed = {id(p) for e in experts_of(model) for p in e.parameters()}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if (tied or p is not embed) and id(p) not in routed)
+    return dense + routed_expert_bytes(model, batch)
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

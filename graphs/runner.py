@@ -14,6 +14,7 @@ import torch
 
 from torch_cp.compat import cache_kwarg
 from torch_cp.graphs.buckets import pick_bucket
+from torch_cp.graphs.experts import capturable_experts
 from torch_cp.graphs.static_plan import StaticPlan
 from torch_cp.plan import Bucket, StepPlan, build_step_plan
 
@@ -60,6 +61,7 @@ class CUDAGraphRunner:
     def __init__(self, model, cache, buckets: Sequence[Bucket]):
         if not buckets:
             raise ValueError("CUDAGraphRunner needs at least one bucket")
+        capturable_experts(model)  # MoE experts a capture can hold, before any capture
         self.model = model
         self.cache = cache
         self.buckets = sorted(set(buckets))

@@ -1,6 +1,7 @@
 """CUDA-graph replay of a patched model's whole step equals the eager step, and NaN on the sink
 page (which padding rows read) never reaches a real row of a captured bucket; for a GQA (Qwen3)
-and an MLA (DeepSeek-V3 attention) model."""
+and an MLA (DeepSeek-V3 attention) model, and every MoE family (its experts switched to an
+implementation a graph can hold, ``graphs/experts.py``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,13 @@ bound."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    Glm4MoeLiteConfig,
+    Qwen3MoeConfig,
+)
 
 from torch_cp import tiny_qwen3
 
@@ -15,25 +21,56 @@ def qwen3(dtype, kv_heads: int = 1):
                       num_attention_heads=4, num_key_value_heads=kv_heads)
 
 
-def mla():
-    # kv_lora_rank 512 / rope 64: FlashInfer's prebuilt MLA kernels. Dense MLPs only: the
-    # eager MoE experts loop of transformers synchronises with the host and cannot be captured.
-    config = DeepseekV3Config(
-        vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
-        num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=16,
-        num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-        qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, initializer_range=0.15, max_position_embeddings=512,
-        pad_token_id=0, eos_token_id=None, bos_token_id=None)
+# kv_lora_rank 512 / rope 64: FlashInfer's prebuilt MLA kernels.
+MLA = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+           num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16,
+           kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+           v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+           n_group=1, topk_group=1, initializer_range=0.15, max_position_embeddings=512,
+           pad_token_id=0, eos_token_id=None, bos_token_id=None)
+# Qwen3-MoE and GLM-4-MoE attention on head_dim 128 with one KV head (TP mode at tp = 2), eight
+# experts of 64 channels, top 2.
+GQA_MOE = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+               num_experts_per_tok=2, initializer_range=0.15, max_position_embeddings=512,
+               pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+def _random(config, dtype):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval().to(dtype)
+
+
+def mla():
+    """DeepSeek-V3 attention with dense MLPs (first_k_dense_replace = every layer)."""
+    return _random(DeepseekV3Config(**MLA, first_k_dense_replace=2), torch.bfloat16)
 
 
 def deepseek_mla(dtype):
     return mla().to(dtype)
 
 
-MODELS = {"qwen3": qwen3, "mla": deepseek_mla}
+def qwen3_moe(dtype):
+    return _random(Qwen3MoeConfig(**GQA_MOE, num_experts=8, norm_topk_prob=True), dtype)
+
+
+def glm4_moe(dtype):
+    return _random(Glm4MoeConfig(**GQA_MOE, n_routed_experts=8, n_shared_experts=1, n_group=1,
+                                 topk_group=1, first_k_dense_replace=1, use_qk_norm=True), dtype)
+
+
+def glm4_moe_lite(dtype):
+    return _random(Glm4MoeLiteConfig(**MLA, mlp_layer_types=["dense", "sparse"]), dtype)
+
+
+def deepseek_v3(dtype):
+    return _random(DeepseekV3Config(**MLA, first_k_dense_replace=1), dtype)
+
+
+# Every MoE family (layer 0 dense where the family has dense layers, layer 1 MoE).
+MOE_MODELS = {"qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "glm4_moe_lite": glm4_moe_lite,
+              "deepseek_v3": deepseek_v3}
+MODELS = {"qwen3": qwen3, "mla": deepseek_mla, **MOE_MODELS}
 
 
 def near_tie(gap: float, magnitude: float) -> bool:

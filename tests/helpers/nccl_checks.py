@@ -7,8 +7,10 @@ heads, tp, sp, mode) that fits the world size, and for the reference backend in 
 FlashInfer in bf16, every rank generates greedily:
 
 - at P = 1 on its own GPU (no mesh): the expected tokens and the pool's bytes;
-- at P = world over NCCL, eagerly and with CUDA graphs (collectives captured in the graphs): the
-  tokens, the pool's bytes for the same pages, and the collectives it recorded; each again with
+- at P = world over NCCL, eagerly and with CUDA graphs (collectives captured in the graphs; for
+  the MoE families with compiled layers too, the experts switched to a capturable
+  implementation): the tokens, the pool's bytes for the same pages, and the collectives it
+  recorded; each again with
   decode steps launched during the previous one, fed its tokens (rank 0's, broadcast over
   NCCL) on the device (``overlap_planning``);
 - with CUDA graphs over the mesh, the NaN-padding check of ``tests/graphs/test_graphs_gpu.py``.
@@ -42,7 +44,7 @@ PROMPT_LENGTHS = (3, 17, 40, 70)
 
 @dataclass(frozen=True)
 class Case:
-    model: str  # "qwen3" (tiny, head_dim 128) or "mla" (DeepSeek-V3 attention, 512/64)
+    model: str  # "qwen3" (tiny, head_dim 128), "mla" (DeepSeek-V3 attention, 512/64), or MOE
     kv_heads: int
     tp: int
     sp: int
@@ -53,17 +55,19 @@ class Case:
         return f"{self.model}-kv{self.kv_heads}-tp{self.tp}-sp{self.sp}-{self.mode}"
 
 
+MOE = ("qwen3_moe", "glm4_moe", "glm4_moe_lite", "deepseek_v3")  # graphs with compiled layers
 CASES = {
-    2: [Case("qwen3", 1, 2, 1, "tp"), Case("qwen3", 2, 1, 2, "sp"), Case("mla", 1, 2, 1, "tp")],
+    2: [Case("qwen3", 1, 2, 1, "tp"), Case("qwen3", 2, 1, 2, "sp"), Case("mla", 1, 2, 1, "tp"),
+        *(Case(m, 1, 2, 1, "tp") for m in MOE)],
     4: [Case("qwen3", 1, 4, 1, "tp"), Case("qwen3", 2, 4, 1, "tp"), Case("qwen3", 1, 2, 2, "sp"),
         Case("qwen3", 1, 2, 2, "tp"), Case("mla", 1, 4, 1, "tp")],
 }
 
 
 def build(case: Case, dtype: torch.dtype, device):
-    from gpu_models import deepseek_mla, qwen3
+    from gpu_models import MODELS, qwen3
 
-    model = deepseek_mla(dtype) if case.model == "mla" else qwen3(dtype, case.kv_heads)
+    model = qwen3(dtype, case.kv_heads) if case.model == "qwen3" else MODELS[case.model](dtype)
     return model.to(device)
 
 
@@ -72,13 +76,14 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 300, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = False):
+def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = False,
+               compile: bool = False):
     """(tokens, pool bytes, recorded collectives, replayed steps, steps launched ahead, fed
     the previous step's tokens on the device) of greedy generation."""
     records = []
     model.torch_cp.exchange.records = records
     engine = torch_cp.Engine(model, num_pages, 16, cuda_graphs=cuda_graphs, max_rows=8,
-                             max_pages_per_row=8, overlap_planning=overlap)
+                             max_pages_per_row=8, overlap_planning=overlap, compile=compile)
     results = engine.run(prompts(), NEW_TOKENS)
     errors = [r.error for r in results if not r.ok]
     assert not errors, errors
@@ -139,8 +144,10 @@ def run_case(case: Case, backend: str, dtype, device, cuda: bool) -> dict:
                                      mesh=mesh, mode=case.mode, backend=backend)
         out["P"] = model.torch_cp.placement.size
         key = "graphs" if graphs else "eager"
-        out[key] = run_engine(model, cuda_graphs=graphs)
-        out[f"{key}_overlap"] = run_engine(model, cuda_graphs=graphs, overlap=True)
+        compile = graphs and case.model in MOE
+        out[key] = run_engine(model, cuda_graphs=graphs, compile=compile)
+        out[f"{key}_overlap"] = run_engine(model, cuda_graphs=graphs, overlap=True,
+                                           compile=compile)
         if dtype != torch.float32:
             out[key]["gaps"] = near_tie_gaps(case, dtype, device, out["p1"]["tokens"],
                                              out[key]["tokens"])

@@ -1,0 +1,95 @@
+"""MoE experts that a CUDA graph can hold.
+
+transformers 5 runs a MoE block's experts through ``config._experts_implementation``
+(``@use_experts_implementation``): ``"eager"`` loops over the experts a step routes to, which
+needs their ids on the host (``nonzero``, ``tolist``), so a capture fails inside CUDA
+(cudaErrorStreamCaptureInvalidated) and ``torch.compile(fullgraph=True)`` cannot trace it.
+``"grouped_mm"`` (one grouped GEMM over tokens sorted by expert, offsets counted on the device)
+and ``"batched_mm"`` (each token's experts gathered, one batched GEMM) stay on the device, with
+one exception: ``grouped_mm`` is captured only with bf16 weights (with fp32 it copies from the
+host inside the capture on the H200, eager or compiled).
+
+What can be captured, how exact and how fast each is: ``benchmarks/experts.py`` (BENCHMARKS.md,
+"MoE experts"); which is picked: ``PREFERRED``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("torch_cp")
+
+# By measurement on the H200 (BENCHMARKS.md, "MoE experts"; Qwen3-30B-A3B and GLM-4.7-Flash
+# blocks, bf16, replayed from a graph): grouped_mm takes 0.49-0.58 ms at 32 and 64 tokens against
+# batched_mm's 1.6-3.1 ms (which copies every token's experts), and 0.11-0.16 ms against 0.10-0.15
+# at one token; both are as exact (the same error against fp32). batched_mm is the one left
+# where grouped_mm cannot be captured (weights other than bf16).
+PREFERRED = ("grouped_mm", "batched_mm")
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``experts`` of every MoE block of ``model`` (modules with an ``experts`` child)."""
+    return [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None),
+                                                             nn.Module)]
+
+
+def _dispatches(experts: nn.Module) -> bool:
+    """Whether ``experts`` runs through transformers' experts implementations."""
+    return hasattr(experts, "is_concatenated") and hasattr(
+        getattr(experts, "config", None), "_experts_implementation")
+
+
+def capturable(name: str | None, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether transformers' experts implementation ``name`` stays on the device (so a CUDA graph
+    can hold it, eager or compiled) for weights of ``dtype`` on ``device``. On the CPU, where
+    nothing is captured, whether it runs without transformers' experts loop."""
+    if name == "batched_mm":
+        return True
+    if name != "grouped_mm":
+        return False
+    if device.type == "cuda":  # measured on the H200: fp32 grouped_mm copies from the host
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return True
+
+
+def experts_problems(model: nn.Module) -> list[str]:
+    """Why the MoE experts of ``model`` cannot be made capturable (empty when they can)."""
+    fixed = sorted({type(e).__name__ for e in experts_modules(model) if not _dispatches(e)})
+    if not fixed:
+        return []
+    return [f"the MoE experts of this model ({', '.join(fixed)}) have no transformers experts "
+            f"implementation to switch to, and their own forward may not be capturable in a "
+            f"CUDA graph: run with cuda_graphs=False"]
+
+
+def capturable_experts(model: nn.Module) -> str | None:
+    """Make every MoE block of ``model`` run experts a CUDA graph can capture, before any capture.
+
+    An implementation that cannot be captured is switched to the first of ``PREFERRED`` that
+    can (``model.set_experts_implementation``), logged once. Returns the implementation switched
+    to, or None when nothing changed (no MoE block, or one already capturable). ValueError
+    (``experts_problems``) when the experts do not dispatch through transformers'
+    implementations.
+    """
+    problems = experts_problems(model)
+    if problems:
+        raise ValueError("; ".join(problems))
+    experts = experts_modules(model)
+    if not experts:
+        return None
+    param = experts[0].down_proj
+    dtype, device = param.dtype, param.device
+    current = {e.config._experts_implementation for e in experts}
+    if all(capturable(name, dtype, device) for name in current):
+        return None
+    choice = next(n for n in PREFERRED if capturable(n, dtype, device))
+    model.set_experts_implementation(choice)
+    for e in experts:  # configs of submodels that set_experts_implementation does not reach
+        e.config._experts_implementation = choice
+    log.warning("torch_cp: MoE experts implementation %s cannot be captured in a CUDA graph "
+                "with %s weights; switched to %r (model.set_experts_implementation)",
+                "/".join(sorted(map(repr, current))), str(dtype).removeprefix("torch."), choice)
+    return choice
