@@ -93,9 +93,12 @@ def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = Fa
                 replayed=engine.replayed_steps, launched_ahead=engine.launched_ahead_steps)
 
 
-def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple[float, float] | None]:
-    """Per prompt: None where the streams agree, else (|logit a - logit b|, max(|a|, |b|)) of the
-    unpatched model at the first position where they differ."""
+def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple | None]:
+    """Per prompt: None where the streams agree, else (|logit a - logit b|, max(|a|, |b|),
+    router near-tie) of the unpatched model at the first position where they differ (the last
+    item: whether a MoE router there ranks two experts within a near-tie, ``router_near_tie``)."""
+    from gpu_models import router_near_tie
+
     model = build(case, dtype, device)
     gaps = []
     for prompt, want, have in zip(prompts(), expected, got):
@@ -103,10 +106,11 @@ def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple[float,
             gaps.append(None)
             continue
         d = next(i for i, (x, y) in enumerate(zip(want, have)) if x != y)
+        ids = torch.tensor([prompt + want[:d]], device=device)
         with torch.inference_mode():
-            logits = model(torch.tensor([prompt + want[:d]], device=device)).logits[0, -1]
+            logits = model(ids).logits[0, -1]
         a, b = logits[want[d]].float().item(), logits[have[d]].float().item()
-        gaps.append((abs(a - b), max(abs(a), abs(b))))
+        gaps.append((abs(a - b), max(abs(a), abs(b)), router_near_tie(model, ids)))
     return gaps
 
 
