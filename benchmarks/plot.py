@@ -5,7 +5,8 @@
 
 Writes a PNG of tokens/s against batch size for every system (one panel per model and prompt
 length) and prints markdown tables. Where several files hold the same (model, system, prompt,
-batch), the plot shows the later file's run; the tables list every run.
+batch), the plot shows the later file's run; the tables list every run. notebooks/benchmarks.ipynb
+draws the same figure with ``figure(load(plotted_paths()))``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ STYLE = {"torch_cp": ("tab:red", "o"), "torch_cp_overlap": ("tab:pink", "o"),
          "generate_batch": ("tab:orange", "v")}
 
 
-def load(paths: list[str]) -> list[dict]:
+RESULTS = Path(__file__).resolve().parent / "results"
+# The generate runs BENCHMARKS.md's tokens/s plot is drawn from, in run order.
+PLOTTED_RUNS = ("1", "2", "17", "18a", "20", "22", "23", "24", "25", "26a", "26b", "28", "30", "32")
+
+
+def plotted_paths() -> list[Path]:
+    """The JSON files of ``PLOTTED_RUNS`` in benchmarks/results/, in run order."""
+    return [RESULTS / f"generate_run{run}.json" for run in PLOTTED_RUNS]
+
+
+def load(paths: list[str | Path]) -> list[dict]:
     """Every record of ``paths``; ``run`` is the number in a ``generate_runN`` file name (else
     the file's position)."""
     records = []
@@ -37,9 +48,16 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def plot(records: list[dict], png: str) -> None:
+    """Write ``figure(records)`` to ``png`` (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    figure(records).savefig(png, dpi=120)
+
+
+def figure(records: list[dict]):
+    """The tokens/s against batch size figure (a matplotlib ``Figure``) of ``load``'s records:
+    one panel per (model, prompt), each system's latest run at each batch size."""
     import matplotlib.pyplot as plt
 
     done = [r for r in records if "tokens_per_s" in r]
@@ -67,7 +85,7 @@ def plot(records: list[dict], png: str) -> None:
     fig.legend(labels.values(), labels.keys(), loc="lower center", ncol=len(labels), fontsize=9)
     fig.suptitle("H200, bf16, greedy, no EOS: tokens/s against batch size", fontsize=11)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(png, dpi=120)
+    return fig
 
 
 def cell(value) -> str:

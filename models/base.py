@@ -43,6 +43,9 @@ class Family(Protocol):
 
         ``patch_model`` then makes ``o_proj`` row-parallel (``torch_cp.tp.RowParallel``: all-reduce
         over TP, bias once) and shards each decoder layer's MLP/MoE with ``torch_cp.tp.shard_mlp``.
+        It runs on meta models too (``torch_cp.from_pretrained`` shards before loading, and reads
+        what each parameter recorded it keeps), so it must cut through ``torch_cp.tp``'s helpers
+        and decide from shapes and the config alone, never from weight values.
         """
         ...
 

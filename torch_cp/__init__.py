@@ -1,10 +1,10 @@
 """torch_cp: context parallelism over a placed paged KV cache for Hugging Face Qwen and GLM.
 
 The parts: the core (``placement``, ``mesh``, ``plan``, ``kv``, ``attention``), the Hugging Face
-bridge (``torch_cp.hf``: patch_model, the paged Cache, model.generate), the engine
-(``torch_cp.engine``: requests, scheduler, steps, sampling, generate), plus ``torch_cp.models``
-(one file per family) and ``torch_cp.graphs`` (CUDA-graph buckets, compiled layers). The command
-line is ``python -m torch_cp``. See docs/architecture.md.
+bridge (``torch_cp.hf``: patch_model, from_pretrained, the paged Cache, model.generate), the
+engine (``torch_cp.engine``: requests, scheduler, steps, sampling, generate), plus
+``torch_cp.models`` (one file per family) and ``torch_cp.graphs`` (CUDA-graph buckets, compiled
+layers). The command line is ``python -m torch_cp``. See docs/architecture.md.
 """
 
 from torch_cp.attention import (
@@ -20,6 +20,7 @@ from torch_cp.engine.memory import kv_bytes_per_rank
 from torch_cp.hf import (
     GenerateCache,
     PagedKVCache,
+    from_pretrained,
     install_generate,
     new_cache,
     patch_model,
@@ -52,6 +53,7 @@ __all__ = [
     "StepRefused",
     "TorchBackend",
     "build_step_plan",
+    "from_pretrained",
     "generate",
     "init_mesh",
     "install_generate",

@@ -4,14 +4,18 @@
     torchrun --nproc-per-node 2 -m torch_cp --context-parallel --tp 2
     python -m torch_cp --model /path/to/checkpoint --prompt "Hello" --max-new-tokens 32
 
-Prints each request's tokens (and text when the checkpoint has a tokenizer) and the KV-cache bytes
-each rank holds. Under torchrun the mesh is (sp, tp) over all ranks: gloo on CPU, NCCL on GPUs.
-The console script ``torch-cp-generate`` runs the same ``main``.
+A checkpoint loads with ``torch_cp.from_pretrained`` (each TP rank reads only its own shards).
+Prints each request's tokens and text (token ids alone when the checkpoint has no usable
+tokenizer), P and the KV-cache bytes each rank holds; ``--json PATH`` writes them too. Under
+torchrun the mesh is (sp, tp) over all ranks: gloo on CPU, NCCL on GPUs. A configuration problem
+is one line on rank 0 (the other ranks exit with the same code, silently); the console script
+``torch-cp-generate`` runs the same ``cli``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -21,12 +25,24 @@ from torch_cp.engine import SamplingParams
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP
 from torch_cp.engine.generation import engine_for
 
-DEFAULT_PROMPTS = ([1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73],
-                   [200, 3, 150, 7, 99])
+DEFAULT_PROMPTS = ("The capital of France is", "Hello")  # the tiny model's, through its tokenizer
+DEFAULT_TOKEN_PROMPTS = ([1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73],
+                         [200, 3, 150, 7, 99])  # a checkpoint without a usable tokenizer
+TINY_NOTE = ("the default model is a tiny Qwen3 with random weights: its tokens and text are "
+             "meaningless (pass --model PATH for a real checkpoint)")
+
+
+class UsageError(ValueError):
+    """A command line argparse refuses (exit code 2, as argparse's own)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m torch_cp", description=__doc__.split(
+    p = _Parser(prog="python -m torch_cp", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local checkpoint folder (default: the tiny random Qwen3)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable): text when the "
@@ -34,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--context-parallel", action="store_true",
                    help="stripe the KV cache over the partners (P > 1)")
-    p.add_argument("--mode", choices=("tp", "sp"), default="tp")
+    p.add_argument("--mode", choices=("auto", "tp", "sp"), default="auto",
+                   help="partners: TP ranks sharing a KV head, or the SP ranks (auto: sp when "
+                   "--sp > 1, else tp)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", type=int, default=1)
     p.add_argument("--backend", default="torch", help="attention backend (torch, flashinfer)")
@@ -52,44 +70,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="capture the steps with compiled decoder layers (with --cuda-graphs)")
     p.add_argument("--overlap-planning", action="store_true",
                    help="plan each decode step while the previous one runs")
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes P, mode, world, the KV bytes "
+                   "per rank and every request's prompt, tokens and text to PATH")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
-def load_model(args, device: torch.device):
-    """(model, tokenizer or None) on ``device``."""
-    default = "bfloat16" if device.type == "cuda" else "float32"
-    dtype = getattr(torch, args.dtype or (default if args.model else "float32"))
-    if args.model is None:
-        from torch_cp.tiny import tiny_qwen3
-
-        return tiny_qwen3(dtype=dtype).to(device), None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    return model, tokenizer
-
-
-def prompts_of(args, tokenizer) -> list[list[int]]:
-    if not args.prompt:
-        if args.model is not None and tokenizer is not None:
-            return [tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]]
-        return [list(p) for p in DEFAULT_PROMPTS]
-    if tokenizer is not None:
-        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in args.prompt]
-    try:
-        return [[int(t) for t in p.replace(",", " ").split()] for p in args.prompt]
-    except ValueError as e:
-        raise SystemExit(f"--prompt must be token ids without a tokenizer: {e}") from None
+def model_path_problems(path: str | None) -> list[str]:
+    if path is None:
+        return []
+    if not os.path.exists(path):
+        return [f"--model {path}: no such folder (a local checkpoint folder is expected)"]
+    if not os.path.isdir(path):
+        return [f"--model {path}: not a folder (a local checkpoint folder is expected)"]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"--model {path}: no config.json in it (not a checkpoint folder)"]
+    return []
 
 
 def argument_problems(args, cuda: bool) -> list[str]:
     """What is wrong with the command line, found before anything is loaded."""
-    problems = []
+    problems = model_path_problems(args.model)
     if args.page_size < 1:
         problems.append(f"--page-size must be >= 1, got {args.page_size}")
     if args.max_new_tokens < 1:
@@ -100,7 +101,90 @@ def argument_problems(args, cuda: bool) -> list[str]:
         problems.append("--compile compiles the captured step: it needs --cuda-graphs")
     if args.tp < 1 or args.sp < 1:
         problems.append(f"--tp and --sp must be >= 1, got {args.tp} and {args.sp}")
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if folder is not None and not os.path.isdir(folder):
+        problems.append(f"--json {args.json}: the folder {folder} does not exist")
     return problems
+
+
+def _first_line(error: Exception) -> str:
+    return next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def load_model(args, device: torch.device, mesh):
+    """(patched model, tokenizer or None) on ``device``. A checkpoint loads through
+    ``torch_cp.from_pretrained``: each TP rank reads only its own shards. ValueError for a
+    checkpoint that cannot load."""
+    patch = dict(context_parallel=args.context_parallel, mesh=mesh, mode=args.mode,
+                 backend=args.backend, page_size=args.page_size)
+    default = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, args.dtype or (default if args.model else "float32"))
+    if args.model is None:
+        from torch_cp.hf import patch_model
+        from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
+
+        return patch_model(tiny_qwen3(dtype=dtype).to(device), **patch), tiny_tokenizer()
+    from transformers import AutoConfig
+
+    from torch_cp.hf import from_pretrained
+    from torch_cp.models import SUPPORTED_MODEL_TYPES
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--model {args.model}: cannot read its config.json: "
+                         f"{_first_line(e)}") from None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"--model {args.model}: model_type {config.model_type!r} is not "
+                         f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    try:
+        model = from_pretrained(args.model, dtype=dtype, device=device, **patch)
+    except OSError as e:  # unreadable files
+        raise ValueError(f"--model {args.model}: cannot load its weights: "
+                         f"{_first_line(e)}") from None
+    return model, load_tokenizer(args.model)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None when it has none or one that encodes text to nothing
+    (transformers builds an empty one from a folder without tokenizer files)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    try:
+        usable = len(tokenizer) > 1 and bool(tokenizer("Hello", add_special_tokens=False)
+                                             ["input_ids"])
+    except (ValueError, TypeError, KeyError):
+        usable = False
+    return tokenizer if usable else None
+
+
+def prompts_of(args, tokenizer) -> list[list[int]]:
+    if not args.prompt:
+        if tokenizer is None:
+            return [list(p) for p in DEFAULT_TOKEN_PROMPTS]
+        texts = DEFAULT_PROMPTS if args.model is None else ["The capital of France is"]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if tokenizer is not None:
+        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in args.prompt]
+    return [_token_ids(p) for p in args.prompt]
+
+
+def _token_ids(prompt: str) -> list[int]:
+    try:
+        return [int(t) for t in prompt.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt {prompt!r}: without a tokenizer a prompt is token ids "
+                         f"(space- or comma-separated)") from None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def main(argv=None) -> int:
@@ -111,7 +195,6 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from torch_cp.engine.requests import eos_ids
-    from torch_cp.hf import patch_model
     from torch_cp.mesh import init_mesh
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -121,18 +204,22 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     mesh = None
     if world > 1 or args.tp * args.sp > 1:
-        mesh = init_mesh(tp=args.tp, sp=args.sp, device_type="cuda" if cuda else "cpu")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    model, tokenizer = load_model(args, device)
-    model = patch_model(model, context_parallel=args.context_parallel, mesh=mesh, mode=args.mode,
-                        backend=args.backend, page_size=args.page_size)
+        mesh = init_mesh(tp=args.tp, sp=args.sp, device_type=device.type)
+    rank = _rank()
+    model, tokenizer = load_model(args, device, mesh)
+    if args.model is None and rank == 0:
+        print(TINY_NOTE)
+    if tokenizer is None and rank == 0:
+        print(f"torch_cp: warning: {args.model} has no usable tokenizer (no tokenizer files, or "
+              f"one that encodes text to nothing): prompts are token ids, output token ids only",
+              file=sys.stderr)
     prompts = prompts_of(args, tokenizer)
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
     eng = engine_for(model, prompts, news, args.page_size,
-                            max_tokens_per_step=args.max_tokens_per_step,
-                            cuda_graphs=args.cuda_graphs, compile=args.compile,
-                            overlap_planning=args.overlap_planning)
+                     max_tokens_per_step=args.max_tokens_per_step,
+                     cuda_graphs=args.cuda_graphs, compile=args.compile,
+                     overlap_planning=args.overlap_planning, progress=not args.no_progress)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = eng.run(prompts, news, sampling, eos_ids(model, None, tokenizer),
                       progress=not args.no_progress)
@@ -142,29 +229,59 @@ def main(argv=None) -> int:
         dist.all_gather_object(kv, eng.kv_bytes)
     if rank == 0:
         p = runtime.placement
+        texts = [tokenizer.decode(list(r.token_ids), skip_special_tokens=True)
+                 if tokenizer is not None and r.ok else None for r in results]
         print(f"P = {p.size} ({p.mode} mode)" if p.size > 1 else "P = 1 (no context parallelism)")
-        for r in results:
+        for r, text in zip(results, texts):
             line = f"request {r.index} ({len(prompts[r.index])} prompt tokens, {r.finish_reason}): "
             print(line + (f"error: {r.error}" if r.error else str(list(r.token_ids))))
-            if tokenizer is not None and r.ok:
-                print(f"  text: {tokenizer.decode(list(r.token_ids), skip_special_tokens=True)!r}")
+            if text is not None:
+                print(f"  prompt: {tokenizer.decode(prompts[r.index])!r}")
+                print(f"  text: {text!r}")
         print(f"KV cache: {eng.allocator.num_pages} pages of {args.page_size} tokens, "
               f"{eng.steps} steps")
         for i, b in enumerate(kv):
             print(f"KV bytes rank {i}: {b}")
+        if args.json:
+            write_json(args.json, p, len(kv), kv, prompts, results, texts)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0 if all(r.ok for r in results) else 1
 
 
-def cli() -> None:
-    """The console script and ``python -m torch_cp``: a configuration problem is one line, not a
-    traceback."""
+def write_json(path: str, placement, world: int, kv: list[int], prompts, results, texts) -> None:
+    """The run as JSON: P, mode (None at P = 1), world, KV bytes per rank, every request."""
+    record = {"P": placement.size, "mode": placement.mode if placement.size > 1 else None,
+              "world": world, "kv_bytes_per_rank": kv,
+              "results": [{"index": r.index, "prompt_ids": list(prompts[r.index]),
+                           "token_ids": list(r.token_ids), "finish_reason": r.finish_reason,
+                           "text": text} for r, text in zip(results, texts)]}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def one_line(error: Exception) -> str:
+    """``error``'s message on one line (patch_model lists its problems on lines of their own)."""
+    lines = [line.strip().removeprefix("- ") for line in str(error).splitlines() if line.strip()]
+    return lines[0] + (" " + "; ".join(lines[1:]) if len(lines) > 1 else "") if lines else ""
+
+
+def cli(argv=None) -> None:
+    """The console script and ``python -m torch_cp``. A configuration problem (ValueError) is one
+    line on rank 0, not a traceback; every rank exits with its code (2 for a usage error, else
+    1). Any other exception is a bug and keeps its traceback."""
     try:
-        sys.exit(main())
+        code = main(argv)
     except ValueError as error:
-        sys.exit(f"python -m torch_cp: {error}")
+        if _rank() == 0:
+            print(f"torch_cp: error: {one_line(error)}", file=sys.stderr)
+        code = 2 if isinstance(error, UsageError) else 1
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

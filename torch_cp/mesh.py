@@ -14,20 +14,50 @@ from torch_cp.placement import ContextParallel, Mode
 AXES = ("sp", "tp")
 
 
-def init_mesh(tp: int = 1, sp: int = 1, device_type: str = "cuda") -> DeviceMesh:
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_mesh(tp: int = 1, sp: int = 1, device_type: str | None = None) -> DeviceMesh:
     """Build the job's DeviceMesh of shape (sp, tp), axes named ("sp", "tp").
 
-    Initialises the default process group from the environment (torchrun) when it is not yet
-    initialised: NCCL for "cuda", gloo for "cpu".
+    Args:
+        tp, sp: ranks along the TP and SP axes; ``sp * tp`` must be the number of processes.
+        device_type: ``"cuda"`` or ``"cpu"``; None: CUDA when ``torch.cuda.is_available()``,
+            else CPU.
+    Initialises the default process group when it is not yet initialised, NCCL for CUDA and gloo
+    otherwise: from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when it is
+    set, else, for ``sp * tp == 1`` in a plain process, a one-rank group of its own.
+    ValueError naming every problem (``sp * tp`` ranks without torchrun says how to launch them).
     """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     problems = [f"{name} must be >= 1, got {n}" for name, n in (("tp", tp), ("sp", sp)) if n < 1]
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    if not problems and tp * sp != world:
+    present = [v for v in TORCHRUN_VARIABLES if v in os.environ]
+    standalone = not dist.is_initialized() and not present
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    elif present and len(present) < len(TORCHRUN_VARIABLES):
+        missing = [v for v in TORCHRUN_VARIABLES if v not in present]
+        problems.append(f"the environment sets {', '.join(present)} but not {', '.join(missing)}: "
+                        f"launch with torchrun, or unset them for one process")
+        world = None
+    else:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+    if not problems and standalone and sp * tp > 1:
+        problems.append(f"sp * tp = {sp} * {tp} needs {sp * tp} processes: launch with "
+                        f"`torchrun --nproc-per-node {sp * tp} ...`")
+    elif not problems and world is not None and tp * sp != world:
         problems.append(f"sp * tp = {sp} * {tp} = {sp * tp} does not match the world size {world}")
     if problems:
         raise ValueError("invalid mesh: " + "; ".join(problems))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if standalone:
+            # An in-memory store: one rank needs no rendezvous, so no port to race for and no
+            # file to clean up.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
     return init_device_mesh(device_type, (sp, tp), mesh_dim_names=AXES)
 
 

@@ -44,9 +44,16 @@ def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -
     return model.to(dtype).eval()
 
 
+# Plain text around each message (byte tokens only), so a rendered chat holds no pad id.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def tiny_tokenizer():
     """A byte-level tokenizer (256 byte tokens + ``<|endoftext|>`` = 256) that fits the tiny
-    model's vocabulary; built offline with ``tokenizers``, no merges."""
+    model's vocabulary; built offline with ``tokenizers``, no merges. Its chat template writes
+    each message as ``<|role|>\ncontent\n`` and the generation prompt as ``<|assistant|>\n``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,4 +64,4 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+                                   pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE)

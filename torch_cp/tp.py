@@ -16,9 +16,15 @@ MLP/MoE blocks, which are alike across the supported families:
   completes both sums.
 
 Embeddings, norms and ``lm_head`` stay replicated. Sharding is one-way: dropped shards are freed.
+Every sharded parameter records which part of the full tensor it kept (``shard_of``: a ``Shard``).
+On a model built on the meta device sharding allocates nothing, and ``torch_cp.from_pretrained``
+then reads exactly the recorded part of each tensor from the checkpoint: the rules above decide
+both what ``patch_model`` cuts from loaded weights and what a rank loads.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +38,49 @@ def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return compat.wait_tensor(compat.all_reduce(t, "sum", group))
 
 
+@dataclass(frozen=True, eq=False)
+class Shard:
+    """The part of a full tensor a TP-sharded parameter holds: entries ``index`` (a slice or a
+    1-D index tensor, in full-tensor coordinates) along ``dim``, of ``full`` there."""
+
+    dim: int
+    index: slice | torch.Tensor
+    full: int
+
+    def runs(self) -> list[tuple[int, int]]:
+        """``index`` as ``[start, stop)`` runs of consecutive entries, in the kept order."""
+        if isinstance(self.index, slice):
+            return [(self.index.start, self.index.stop)]
+        runs: list[list[int]] = []
+        for i in self.index.tolist():
+            if runs and runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, i + 1])
+        return [(a, b) for a, b in runs]
+
+
+SHARD_ATTR = "tp_shard"
+
+
+def shard_of(param: torch.Tensor) -> Shard | None:
+    """What part of the full tensor ``param`` holds; None when it was not sharded (whole)."""
+    return getattr(param, SHARD_ATTR, None)
+
+
 def _shard(tensor: torch.Tensor, dim: int, index: slice | torch.Tensor) -> nn.Parameter:
-    """A new parameter holding only the kept part (a view would keep the whole tensor alive)."""
+    """A new parameter holding only the kept part (a view would keep the whole tensor alive),
+    recording it (``shard_of``)."""
+    assert shard_of(tensor) is None, "a parameter is sharded once"
     if isinstance(index, slice):
         kept = tensor.narrow(dim, index.start, index.stop - index.start).clone(
             memory_format=torch.contiguous_format)
     else:
+        index = index.cpu()
         kept = tensor.index_select(dim, index.to(tensor.device))
-    return nn.Parameter(kept, requires_grad=tensor.requires_grad)
+    param = nn.Parameter(kept, requires_grad=tensor.requires_grad)
+    setattr(param, SHARD_ATTR, Shard(dim, index, tensor.shape[dim]))
+    return param
 
 
 def keep_out_features(linear: nn.Linear, index: slice | torch.Tensor) -> None:

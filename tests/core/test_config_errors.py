@@ -125,7 +125,11 @@ def test_init_mesh_refuses_a_mesh_that_is_not_the_world(monkeypatch, world, tp, 
     def start_group(*args, **kwargs):
         raise AssertionError("init_mesh started a process group before refusing")
 
+    # torchrun's whole environment (init_mesh refuses a partial one before the world size)
     monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     # as in a fresh torchrun process, whatever group another test module left in this one
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", start_group)

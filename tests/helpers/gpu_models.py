@@ -37,13 +37,17 @@ GQA_MOE = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_inter
 
 
 def _random(config, dtype):
+    """Weights drawn in bf16, then cast to ``dtype`` with the buffers (so the rotary inv_freq is
+    bf16 too: these models passed the MoE GPU runs so; ``mla`` keeps its fp32 inv_freq)."""
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval().to(dtype)
 
 
 def mla():
     """DeepSeek-V3 attention with dense MLPs (first_k_dense_replace = every layer)."""
-    return _random(DeepseekV3Config(**MLA, first_k_dense_replace=2), torch.bfloat16)
+    config = DeepseekV3Config(**dict(MLA, n_routed_experts=4), first_k_dense_replace=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
 def deepseek_mla(dtype):

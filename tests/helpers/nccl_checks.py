@@ -7,12 +7,14 @@ heads, tp, sp, mode) that fits the world size, and for the reference backend in 
 FlashInfer in bf16, every rank generates greedily:
 
 - at P = 1 on its own GPU (no mesh): the expected tokens and the pool's bytes;
-- at P = world over NCCL, eagerly and with CUDA graphs (collectives captured in the graphs; for
-  the MoE families with compiled layers too, the experts switched to a capturable
-  implementation): the tokens, the pool's bytes for the same pages, and the collectives it
-  recorded; each again with
+- at P = world over NCCL, eagerly and with CUDA graphs (collectives captured in the graphs; the
+  MoE experts switched to a capturable implementation): the tokens, the pool's bytes for the
+  same pages, and the collectives it recorded; each again with
   decode steps launched during the previous one, fed its tokens (rank 0's, broadcast over
   NCCL) on the device (``overlap_planning``);
+- for the MoE families, with CUDA graphs, compiled layers and steps launched ahead: the tokens
+  (``"compiled"``; fp32 too may split at a near-tie there, as compiled kernels sum in another
+  order);
 - with CUDA graphs over the mesh, the NaN-padding check of ``tests/graphs/test_graphs_gpu.py``.
 
 A check that does not run for a case is named in the case's ``"skipped"`` ({check: why}):
@@ -79,9 +81,11 @@ def prompts() -> list[list[int]]:
 def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = False,
                compile: bool = False):
     """(tokens, pool bytes, recorded collectives, replayed steps, steps launched ahead, fed
-    the previous step's tokens on the device) of greedy generation."""
+    the previous step's tokens on the device) of greedy generation. Compiled, nothing is
+    recorded: Dynamo guards on the record list's length, so recording would recompile every
+    step."""
     records = []
-    model.torch_cp.exchange.records = records
+    model.torch_cp.exchange.records = None if compile else records
     engine = torch_cp.Engine(model, num_pages, 16, cuda_graphs=cuda_graphs, max_rows=8,
                              max_pages_per_row=8, overlap_planning=overlap, compile=compile)
     results = engine.run(prompts(), NEW_TOKENS)
@@ -148,13 +152,15 @@ def run_case(case: Case, backend: str, dtype, device, cuda: bool) -> dict:
                                      mesh=mesh, mode=case.mode, backend=backend)
         out["P"] = model.torch_cp.placement.size
         key = "graphs" if graphs else "eager"
-        compile = graphs and case.model in MOE
-        out[key] = run_engine(model, cuda_graphs=graphs, compile=compile)
-        out[f"{key}_overlap"] = run_engine(model, cuda_graphs=graphs, overlap=True,
-                                           compile=compile)
+        out[key] = run_engine(model, cuda_graphs=graphs)
+        out[f"{key}_overlap"] = run_engine(model, cuda_graphs=graphs, overlap=True)
         if dtype != torch.float32:
             out[key]["gaps"] = near_tie_gaps(case, dtype, device, out["p1"]["tokens"],
                                              out[key]["tokens"])
+        if graphs and case.model in MOE:  # and with compiled layers, launching ahead
+            out["compiled"] = run_engine(model, cuda_graphs=True, overlap=True, compile=True)
+            out["compiled"]["gaps"] = near_tie_gaps(case, dtype, device, out["p1"]["tokens"],
+                                                    out["compiled"]["tokens"])
         del model
     if "nan_padding" not in out["skipped"]:
         out["nan_padding"] = nan_padding(case, backend, dtype, mesh)

@@ -37,9 +37,9 @@ def mesh(sp: int, tp: int, names=AXES, device: str = "cpu") -> DeviceMesh:
 
 
 def problems_of(model, **kwargs) -> str:
-    args = dict(context_parallel=False, mesh=None, mode="tp", backend="torch", page_size=16)
+    """patch_model's ValueError for ``kwargs`` over its defaults (mode="auto")."""
     with pytest.raises(ValueError) as info:
-        torch_cp.patch_model(model, **{**args, **kwargs})
+        torch_cp.patch_model(model, **kwargs)
     return str(info.value)
 
 
@@ -67,7 +67,7 @@ def test_already_patched():
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    (dict(mode="dp"), "mode must be one of tp, sp, got 'dp'"),
+    (dict(mode="dp"), "mode must be one of auto, tp, sp, got 'dp'"),
     (dict(backend="triton"), "backend must be one of auto, torch, flashinfer, got 'triton'"),
     (dict(backend="flashinfer"), "backend 'flashinfer': device cpu is not a CUDA device"),
     (dict(page_size=0), "page_size must be a positive int, got 0"),
@@ -102,6 +102,60 @@ def test_context_parallel_needs_ranks_sharing_a_kv_head():
     assert "needs tp > kv_heads" in problems_of(model, context_parallel=True, mesh=mesh(1, 2))
     assert "needs sp >= 2, got sp = 1" in problems_of(model, context_parallel=True,
                                                       mesh=mesh(1, 2), mode="sp")
+
+
+def settings(model, mesh, **kwargs):
+    args = dict(context_parallel=True, mode="auto", backend="torch", page_size=16)
+    return validate_patch(model, mesh=mesh, **{**args, **kwargs})
+
+
+@pytest.mark.parametrize("sp, tp, mode, resolved", [
+    (2, 1, "auto", "sp"), (2, 4, "auto", "sp"), (1, 4, "auto", "tp"),
+    (2, 4, "tp", "tp"), (1, 4, "tp", "tp"), (4, 1, "sp", "sp"),
+], ids=["sp2-auto", "sp2xtp4-auto", "tp4-auto", "sp2xtp4-tp-wins", "tp4-tp", "sp4-sp"])
+def test_auto_mode_is_sp_when_the_mesh_has_sp(sp, tp, mode, resolved):
+    """One KV head: both modes run on every mesh here, so the mode is the one picked."""
+    model = tiny_model("qwen3", num_key_value_heads=1)
+    assert settings(model, mesh(sp, tp), mode=mode).mode == resolved
+    assert settings(model, mesh(sp, tp), mode=mode, context_parallel=False).mode == resolved
+
+
+def test_auto_mode_without_a_mesh_is_tp():
+    assert settings(tiny_model("qwen3"), None, context_parallel=False).mode == "tp"
+
+
+@pytest.mark.parametrize("sp, tp, kv_heads, mode, page_size, named, hint", [
+    # the issue's case: sp = 2, tp = 1 in TP mode
+    (2, 1, 2, "tp", 16, "needs tp > kv_heads", "SP mode would work on this mesh: mode='sp'"),
+    (1, 4, 1, "sp", 16, "needs sp >= 2", "TP mode would work on this mesh: mode='tp'"),
+    # P = 4 in TP mode does not divide page_size 6, P = 2 in SP mode does
+    (2, 4, 1, "tp", 6, "page_size 6 is not a multiple of P = 4",
+     "SP mode would work on this mesh: mode='sp'"),
+    (4, 2, 1, "sp", 6, "page_size 6 is not a multiple of P = 4",
+     "TP mode would work on this mesh: mode='tp'"),
+    # neither mode runs: no suggestion
+    (4, 4, 1, "tp", 6, "page_size 6 is not a multiple of P = 4", None),
+    (1, 2, 2, "sp", 16, "needs sp >= 2", None),
+    (1, 2, 2, "auto", 16, "needs tp > kv_heads", None),
+], ids=["tp-on-sp-mesh", "sp-on-tp-mesh", "tp-page-size", "sp-page-size", "neither-page-size",
+        "neither-sp", "neither-auto"])
+def test_the_error_suggests_the_other_mode_where_it_would_run(sp, tp, kv_heads, mode, page_size,
+                                                              named, hint):
+    model = tiny_model("qwen3", num_key_value_heads=kv_heads)
+    message = problems_of(model, context_parallel=True, mesh=mesh(sp, tp), mode=mode,
+                          page_size=page_size)
+    assert named in message
+    if hint is None:
+        assert "would work" not in message
+    else:
+        assert hint in message
+        other = hint.split("mode=")[1].strip("'")
+        settings(model, mesh(sp, tp), mode=other, page_size=page_size)  # and it does
+
+
+def test_auto_mode_says_what_it_chose():
+    message = problems_of(tiny_model("qwen3"), context_parallel=True, mesh=mesh(1, 2))
+    assert "(mode='auto' chose TP mode: the mesh has sp = 1)" in message
 
 
 def test_page_size_must_be_a_multiple_of_p():

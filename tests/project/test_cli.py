@@ -1,26 +1,42 @@
-"""The command line, `python -m torch_cp` (and its console script): the default tiny model on one
-process and under torchrun with 2 gloo ranks (same tokens, half the KV bytes a rank), and a saved
-checkpoint."""
+"""The command line, `python -m torch_cp` (and its console script): the default tiny model with its
+byte tokenizer on one process and under torchrun with 2 gloo ranks (same tokens, half the KV bytes
+a rank), --json, a saved checkpoint with and without tokenizer files, and configuration errors
+as one line on rank 0 only."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import torch_cp
-from torch_cp.__main__ import DEFAULT_PROMPTS
+from torch_cp.__main__ import (
+    DEFAULT_PROMPTS,
+    TINY_NOTE,
+    cli,
+    load_tokenizer,
+    model_path_problems,
+    prompts_of,
+)
 from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+BIN = os.path.dirname(sys.executable)
+TORCHRUN = os.path.join(BIN, "torchrun")
+SCRIPT = os.path.join(BIN, "torch-cp-generate")
+
+
+def spawn(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
 def run(cmd: list[str], timeout: int = 240) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    done = spawn(cmd, timeout)
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -32,45 +48,114 @@ def parse(out: str) -> tuple[list[list[int]], list[int]]:
     return tokens, kv
 
 
+def assert_one_clean_line(done: subprocess.CompletedProcess, *fragments: str,
+                          torchrun: bool = False) -> None:
+    """Exit code 1, one error line naming every fragment, no traceback of ours (torchrun's
+    launcher prints its own when a rank fails)."""
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("torch_cp: error: ")]
+    assert len(lines) == 1, done.stderr
+    assert all(f in lines[0] for f in fragments), lines[0]
+    assert "torch_cp/__main__.py" not in done.stderr and "ValueError" not in done.stderr
+    assert torchrun or "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.fixture(scope="module")
 def expected():
     model = torch_cp.patch_model(tiny_qwen3())
-    results = torch_cp.generate(model, [list(p) for p in DEFAULT_PROMPTS], 16, progress=False)
-    return [list(r.token_ids) for r in results]
+    return torch_cp.generate(model, list(DEFAULT_PROMPTS), 16, tokenizer=tiny_tokenizer(),
+                             progress=False)
 
 
 @pytest.fixture(scope="module")
-def single_process():
-    return parse(run([sys.executable, "-m", "torch_cp", "--no-progress"]))
+def single_process(tmp_path_factory):
+    path = tmp_path_factory.mktemp("json") / "run.json"
+    out = run([sys.executable, "-m", "torch_cp", "--no-progress", "--json", str(path)])
+    return out, json.loads(path.read_text())
 
 
 def test_default_tiny_model(single_process, expected):
-    tokens, kv = single_process
-    assert tokens == expected
-    assert len(kv) == 1 and kv[0] > 0
-
-
-def test_torchrun_two_ranks_context_parallel(single_process, expected):
-    out = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "torch_cp",
-               "--context-parallel", "--tp", "2", "--overlap-planning", "--no-progress"])
+    out, record = single_process
     tokens, kv = parse(out)
-    assert "P = 2 (tp mode)" in out
-    assert tokens == expected
-    assert kv == [single_process[1][0] // 2] * 2 and single_process[1][0] % 2 == 0
+    assert tokens == [list(r.token_ids) for r in expected]
+    assert len(kv) == 1 and kv[0] > 0
+    assert out.splitlines()[0] == TINY_NOTE and "P = 1 (no context parallelism)" in out
+    for prompt, r in zip(DEFAULT_PROMPTS, expected):
+        assert f"  prompt: {prompt!r}\n  text: {r.text!r}\n" in out
 
 
-def test_a_saved_checkpoint_with_its_tokenizer(tmp_path):
-    model, tok = tiny_qwen3(), tiny_tokenizer()
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    out = run([sys.executable, "-m", "torch_cp", "--model", str(tmp_path),
+def test_json_holds_the_run(single_process, expected):
+    out, record = single_process
+    tok = tiny_tokenizer()
+    assert {k: record[k] for k in ("P", "mode", "world", "kv_bytes_per_rank")} == {
+        "P": 1, "mode": None, "world": 1, "kv_bytes_per_rank": parse(out)[1]}
+    assert record["results"] == [
+        {"index": i, "prompt_ids": tok(p, add_special_tokens=False)["input_ids"],
+         "token_ids": list(r.token_ids), "finish_reason": r.finish_reason, "text": r.text}
+        for i, (p, r) in enumerate(zip(DEFAULT_PROMPTS, expected))]
+
+
+def test_torchrun_two_ranks_context_parallel(single_process, expected, tmp_path):
+    # the README's command as pasted (mode "auto": TP mode, since sp = 1)
+    out = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "torch_cp",
+               "--context-parallel", "--tp", "2", "--overlap-planning", "--no-progress",
+               "--json", str(tmp_path / "run.json")])
+    tokens, kv = parse(out)
+    assert "P = 2 (tp mode)" in out and out.count(TINY_NOTE) == 1
+    assert tokens == [list(r.token_ids) for r in expected]
+    one = single_process[1]["kv_bytes_per_rank"][0]
+    assert kv == [one // 2] * 2 and one % 2 == 0
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert (record["P"], record["mode"], record["world"]) == (2, "tp", 2)
+    assert record["kv_bytes_per_rank"] == kv
+    assert [r["text"] for r in record["results"]] == [r.text for r in expected]
+
+
+def test_under_torchrun_an_error_is_one_line_from_rank_0():
+    # page size 3 is no multiple of P = 2: patch_model refuses it after the mesh is up
+    done = spawn([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "torch_cp",
+                  "--context-parallel", "--tp", "2", "--page-size", "3", "--no-progress"])
+    assert_one_clean_line(done, "page_size 3 is not a multiple of P = 2", torchrun=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny model saved twice: with its tokenizer, and without tokenizer files."""
+    with_tok, bare = tmp_path_factory.mktemp("with_tokenizer"), tmp_path_factory.mktemp("bare")
+    for folder in (with_tok, bare):
+        tiny_qwen3().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(with_tok)
+    return with_tok, bare
+
+
+def test_a_saved_checkpoint_with_its_tokenizer(checkpoints):
+    out = run([sys.executable, "-m", "torch_cp", "--model", str(checkpoints[0]),
                "--prompt", "Hello", "--max-new-tokens", "6", "--page-size", "8", "--no-progress"])
     tokens, kv = parse(out)
-    want = torch_cp.generate(torch_cp.patch_model(tiny_qwen3()), ["Hello"], 6, tokenizer=tok,
-                             progress=False)[0]
+    want = torch_cp.generate(torch_cp.patch_model(tiny_qwen3()), ["Hello"], 6,
+                             tokenizer=tiny_tokenizer(), progress=False)[0]
     assert tokens == [list(want.token_ids)]
     assert f"  text: {want.text!r}" in out
-    assert len(kv) == 1
+    assert len(kv) == 1 and TINY_NOTE not in out
+
+
+def test_without_tokenizer_files_prompts_are_token_ids(checkpoints):
+    assert load_tokenizer(str(checkpoints[1])) is None  # transformers' empty one is refused
+    done = spawn([sys.executable, "-m", "torch_cp", "--model", str(checkpoints[1]),
+                  "--prompt", "1 2 3", "--prompt", "7,8", "--max-new-tokens", "4",
+                  "--no-progress"])
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("has no usable tokenizer") == 1
+    want = torch_cp.generate(torch_cp.patch_model(tiny_qwen3()), [[1, 2, 3], [7, 8]], 4,
+                             progress=False)
+    assert parse(done.stdout)[0] == [list(r.token_ids) for r in want]
+    assert "text:" not in done.stdout
+
+
+def test_without_a_tokenizer_a_text_prompt_is_refused():
+    args = SimpleNamespace(prompt=["1 2", "Hello"], model="ckpt")
+    with pytest.raises(ValueError, match="--prompt 'Hello': without a tokenizer"):
+        prompts_of(args, None)
 
 
 def test_the_cli_leaves_torch_cp_generate_the_function():
@@ -84,18 +169,43 @@ def test_the_cli_leaves_torch_cp_generate_the_function():
     assert len(result) == 1 and len(result[0].token_ids) == 2
 
 
-def test_the_console_script_runs_the_cli():
-    script = os.path.join(os.path.dirname(sys.executable), "torch-cp-generate")
-    tokens, kv = parse(run([script, "--no-progress", "--max-new-tokens", "2"]))
-    assert len(tokens) == len(DEFAULT_PROMPTS) and all(len(t) == 2 for t in tokens)
-    assert len(kv) == 1
-
-
 def test_a_bad_configuration_is_one_clear_line():
-    done = subprocess.run([sys.executable, "-m", "torch_cp", "--compile", "--page-size",
-                           "0", "--no-progress"], capture_output=True, text=True, env=ENV,
-                          timeout=120)
-    assert done.returncode == 1
-    assert "Traceback" not in done.stderr
-    assert "--page-size must be >= 1, got 0" in done.stderr
-    assert "--compile compiles the captured step: it needs --cuda-graphs" in done.stderr
+    done = spawn([sys.executable, "-m", "torch_cp", "--model", "/nonexistent/ckpt", "--compile",
+                  "--page-size", "0", "--no-progress"])
+    assert_one_clean_line(done, "--model /nonexistent/ckpt: no such folder",
+                          "--page-size must be >= 1, got 0",
+                          "--compile compiles the captured step: it needs --cuda-graphs")
+
+
+def test_the_console_script_runs_the_cli_one_line_errors_and_all(tmp_path):
+    assert os.path.isfile(SCRIPT), "pip install -e . installs the console script"
+    done = spawn([SCRIPT, "--model", str(tmp_path), "--no-progress"])
+    assert_one_clean_line(done, f"--model {tmp_path}: no config.json in it")
+
+
+def test_a_model_path_is_checked_before_anything_loads(tmp_path):
+    (tmp_path / "file").write_text("")
+    assert model_path_problems(str(tmp_path / "file")) == [
+        f"--model {tmp_path / 'file'}: not a folder (a local checkpoint folder is expected)"]
+    assert model_path_problems(str(tmp_path / "missing"))[0].endswith("no such folder "
+                                                                      "(a local checkpoint "
+                                                                      "folder is expected)")
+
+
+@pytest.mark.parametrize("rank,printed", [("0", True), ("1", False)])
+def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, rank, printed):
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--model", "/nonexistent", "--json", "/nonexistent/run.json"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert (err == "torch_cp: error: --model /nonexistent: no such folder (a local checkpoint "
+            "folder is expected); --json /nonexistent/run.json: the folder /nonexistent does "
+            "not exist\n") if printed else err == ""
+
+
+def test_a_usage_error_is_one_line_with_argparses_code(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--mode", "both"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("torch_cp: error: argument --mode: invalid choice")

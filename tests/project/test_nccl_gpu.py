@@ -123,6 +123,13 @@ def check(report: dict, required: tuple[str, ...]) -> list[tuple[str, str]]:
                     f"{key} {mode}: splits at {gaps}"
         if "graphs" in modes:
             assert first["graphs"]["replayed"] >= NEW_TOKENS - 2, f"{key}: decode replays graphs"
+        if "compiled" in first:  # MoE: graphs, compiled layers, launching ahead
+            runs = [r["compiled"] for r in per_rank]
+            assert all(run["tokens"] == runs[0]["tokens"] for run in runs), f"{key} compiled"
+            assert runs[0]["replayed"] >= NEW_TOKENS - 2 and runs[0]["launched_ahead"] > 0
+            splits = [g for g in runs[0]["gaps"] if g is not None]
+            assert all(near_tie(gap, magnitude) or router_tie
+                       for gap, magnitude, router_tie in splits), f"{key} compiled: {splits}"
         kv_heads, tp = (int(part[2:]) for part in key.split("-")[1:3])
         for r in per_rank:
             # share of P = 1's heads this rank holds: the MLA latent is one head on every rank

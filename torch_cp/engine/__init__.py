@@ -2,8 +2,10 @@
 ``generate()`` over a patched model's placed pool."""
 
 from torch_cp.engine.engine import Engine
+from torch_cp.engine.feedback import EngineWarning, IgnoredSettingWarning, PositionLimitWarning
 from torch_cp.engine.generation import generate
-from torch_cp.engine.requests import Result
+from torch_cp.engine.requests import Result, normalize_prompts
 from torch_cp.engine.sampling import SamplingParams
 
-__all__ = ["Engine", "Result", "SamplingParams", "generate"]
+__all__ = ["Engine", "EngineWarning", "IgnoredSettingWarning", "PositionLimitWarning", "Result",
+           "SamplingParams", "generate", "normalize_prompts"]

@@ -12,15 +12,24 @@ the schedulers; with the same seed, sampling itself is also identical on every r
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from torch_cp.engine.requests import Result, check_request, vocab_size
-from torch_cp.engine.sampling import SamplingParams, greedy_tokens, sample
-from torch_cp.engine.scheduler import Request, Row, Scheduler
+from torch_cp.engine.feedback import Progress, status, warn_ignored_sampling, warn_past_positions
+from torch_cp.engine.requests import (
+    Result,
+    make_requests,
+    new_tokens_per_request,
+    normalize_prompts,
+    pad_token_ids,
+    vocab_size,
+    with_text,
+)
+from torch_cp.engine.sampling import SamplingParams, broadcast_from_rank0, greedy_tokens, sample
+from torch_cp.engine.scheduler import Row, Scheduler
 from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, row_key
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
@@ -58,13 +67,15 @@ class Engine:
             step's tokens while the next one runs. A request that stopped at EOS has its row
             in that next step dropped; any other wrong guess is re-planned. Tokens are the same
             either way.
+        progress: print a line (rank 0, stderr) while CUDA graphs are captured and layers
+            compiled.
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
                  max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, max_rows: int | None = None,
                  cuda_graphs: bool = False, max_pages_per_row: int | None = None,
                  mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False,
-                 overlap_planning: bool = False):
+                 overlap_planning: bool = False, progress: bool = False):
         self.model = model
         self.runtime = runtime_of(model)
         page_size = self.runtime.page_size if page_size is None else page_size
@@ -96,14 +107,21 @@ class Engine:
         self._ahead: PlannedStep | None = None  # planned, launched after the host samples
         self._inflight: LaunchedStep | None = None  # launched, not yet committed
         self.runner = None
+        self._announce = progress  # status lines
+        self._announce_compile = compile  # the first step outside the buckets compiles again
         if cuda_graphs:
             from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
 
             rows = min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS)
             buckets = default_buckets(rows, max_pages_per_row or num_pages, mixed_buckets)
             self.runner = CUDAGraphRunner(model, self.cache, buckets)
+            status(f"capturing CUDA graphs of {len(buckets)} step buckets" + (
+                ", compiling the decoder layers first (torch.compile: minutes)" if compile
+                else ""), progress)
+            began = time.perf_counter()
             with compiled_layers(model) if compile else contextlib.nullcontext():
                 self.runner.capture()
+            status(f"captured in {time.perf_counter() - began:.1f} s", progress)
         self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
 
     @property
@@ -111,47 +129,54 @@ class Engine:
         """Bytes of this rank's pool (every layer, the sink page included)."""
         return self.pool.bytes
 
-    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+    def run(self, prompts, max_new_tokens: int | Sequence[int],
             sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
-            progress: bool = False) -> list[Result]:
-        """Generate for token-id prompts; bad requests get error results, the others complete."""
-        news = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
-                else list(max_new_tokens))
-        if len(news) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(news)} entries for {len(prompts)} prompts")
-        vocab = vocab_size(self.model)
+            progress: bool = False, *, tokenizer=None, attention_mask=None) -> list[Result]:
+        """Generate for ``prompts``; bad requests get error results, the others complete.
+
+        ``prompts``: every form ``torch_cp.generate`` takes: token ids (a list or ``[L]``
+        tensor) or a batch of them; strings or chats (a list of messages, or a list of
+        conversations) with ``tokenizer``; a ``BatchEncoding`` / dict with ``input_ids`` and
+        ``attention_mask`` (``[L]`` or ``[B, L]``), or ``[B, L]`` ids with ``attention_mask=``
+        (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
+        ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
+        Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
+        (``PositionLimitWarning``) of requests past ``max_position_embeddings``.
+        """
+        token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
+                                          pad_token_ids(self.model, tokenizer))
+        return self.run_tokens(token_prompts, max_new_tokens, sampling, eos_token_ids, progress,
+                               tokenizer)
+
+    def run_tokens(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                   sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
+                   progress: bool = False, tokenizer=None) -> list[Result]:
+        """``run`` for prompts already normalized to token-id lists (no padding checks)."""
+        warn_ignored_sampling(sampling)
         self._ahead = self._inflight = None  # request indices restart with every run
-        results: dict[int, Result] = {}
-        scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
+        news = new_tokens_per_request(max_new_tokens, len(prompts))
         capacity = self.allocator.num_pages * self.page_size
-        for i, (prompt, new) in enumerate(zip(prompts, news)):
-            error = check_request(prompt, new, vocab, capacity)
-            if error:
-                results[i] = Result(i, (), "error", error=error)
-            else:
-                scheduler.add(Request(i, list(prompt), new))
+        requests, results = make_requests(prompts, news, vocab_size(self.model), capacity)
+        warn_past_positions(self.model, requests)
+        scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
+        for request in requests:
+            scheduler.add(request)
         eos = frozenset(eos_token_ids)
         generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
-        total = sum(r.max_new_tokens for r in scheduler.waiting)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        show = progress and rank0
-        with tqdm(total=total, unit="tok", desc="generate", disable=not show) as bar:
+        with Progress(scheduler.waiting, show=progress) as bar:
             while not scheduler.done:
-                new, finished, failed = self._step(scheduler, sampling, generators, eos)
-                bar.update(new)
-                for request, reason in finished:
+                prefilled, new, ended = self._step(scheduler, sampling, generators, eos)
+                bar.advance(prefilled, new)
+                for request, reason, error in ended:
                     results[request.index] = Result(request.index, tuple(request.generated),
-                                                    reason)
-                for request, error in failed:
-                    results[request.index] = Result(request.index, tuple(request.generated),
-                                                     "error", error=error)
-                for request in [r for r, _ in finished] + [r for r, _ in failed]:
-                    bar.total -= request.max_new_tokens - len(request.generated)  # stopped early
+                                                    reason, error=error)
+                    bar.stop(request)
         if self._inflight is not None:  # launched for requests that then stopped at EOS
             self._inflight.host_ids()
             self._inflight = None
         assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
-        return [results[i] for i in range(len(prompts))]
+        ordered = [results[i] for i in range(len(prompts))]
+        return ordered if tokenizer is None else with_text(ordered, tokenizer)
 
     def _step(self, scheduler: Scheduler, sampling: SamplingParams, generators, eos):
         """Finish one step: the one launched ahead during the previous step, else the
@@ -159,13 +184,14 @@ class Engine:
         ``overlap_planning`` the step after it is planned, and with greedy sampling launched,
         before this step's tokens are awaited.
 
-        Returns (tokens sampled, finished requests with their reason, failed requests with why).
+        Returns (prompt tokens prefilled, tokens sampled, ended requests with their finish
+        reason and error).
         """
         current, self._inflight = self._inflight, None
         if current is None:
             current, failed = self._launch_scheduled(scheduler, sampling)
             if failed:
-                return 0, [], failed
+                return 0, 0, failed
         if self.overlap_planning:
             self._overlap(current, scheduler, sampling)
         tokens = self._tokens(current, sampling, generators)
@@ -173,7 +199,10 @@ class Engine:
         # A step launched ahead may hold rows of requests that stopped at EOS meanwhile.
         rows = [r for r in current.rows if r.request in scheduler.running]
         tokens = {i: t for i, t in tokens.items() if i in scheduler.running}
-        return len(tokens), scheduler.commit(rows, tokens, eos), []
+        prompts = [len(scheduler.running[r.request].prompt) for r in rows]
+        prefilled = sum(max(0, min(r.start + r.length, n) - r.start) for r, n in zip(rows, prompts))
+        finished = scheduler.commit(rows, tokens, eos)
+        return prefilled, len(tokens), [(r, reason, None) for r, reason in finished]
 
     def _launch_scheduled(self, scheduler: Scheduler, sampling: SamplingParams):
         """Plan and launch the scheduler's next step: (launched step, []) or (None, failures)."""
@@ -194,8 +223,8 @@ class Engine:
                     max_rows = len(rows) // 2
                 else:
                     request = scheduler.abort(rows[0].request)
-                    return None, [(request, f"the attention backend refused even one token: "
-                                            f"{refusal}")]
+                    return None, [(request, "error", f"the attention backend refused even one "
+                                                     f"token: {refusal}")]
                 rows = scheduler.schedule(max_rows=max_rows, max_tokens=max_tokens)
         requests = [scheduler.running[r.request] for r in rows]
         ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
@@ -212,12 +241,16 @@ class Engine:
         return self.launcher.plan(rows, [self.allocator.table_tensor(r.request) for r in rows])
 
     def _launch(self, step: PlannedStep, rows: list[Row], ids, sampling: SamplingParams):
+        if self._announce_compile and step.plan.bucket is None:
+            self._announce_compile = False
+            status("compiling the decoder layers for steps outside the captured buckets (a "
+                   "long prefill; once)", self._announce)
         sampled = [b for b, r in enumerate(rows) if r.samples]
         launched = LaunchedStep(rows, sampled, self.launcher.launch(step, ids, sampled))
         self.replayed_steps += step.plan.bucket is not None
         if sampled and sampling.greedy:
             tokens = greedy_tokens(launched.logits)
-            launched.send_ids_home(_broadcast_from_rank0(tokens) if self.broadcast else tokens)
+            launched.send_ids_home(broadcast_from_rank0(tokens) if self.broadcast else tokens)
         return launched
 
     def _overlap(self, current: LaunchedStep, scheduler: Scheduler, sampling: SamplingParams):
@@ -255,13 +288,6 @@ class Engine:
         else:
             rows = [step.rows[b] for b in step.sampled]
             tokens = sample(step.logits, sampling, [generators[r.request] for r in rows])
-            ids = (_broadcast_from_rank0(tokens) if self.broadcast else tokens).tolist()
+            ids = (broadcast_from_rank0(tokens) if self.broadcast else tokens).tolist()
         return {step.rows[b].request: t for b, t in zip(step.sampled, ids)}
 
-
-def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
-    """Rank 0's ``tokens`` on every rank: on their device under NCCL (stream-ordered, no host
-    sync), else on the host."""
-    t = tokens if dist.get_backend() == "nccl" else tokens.cpu()
-    dist.broadcast(t, src=0)
-    return t

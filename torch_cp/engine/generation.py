@@ -6,7 +6,13 @@ from collections.abc import Sequence
 
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
 from torch_cp.engine.memory import default_num_pages, lifetime_pages
-from torch_cp.engine.requests import Prompt, Result, eos_ids, normalize_prompts
+from torch_cp.engine.requests import (
+    Result,
+    eos_ids,
+    new_tokens_per_request,
+    normalize_prompts,
+    pad_token_ids,
+)
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.runtime import runtime_of
 
@@ -23,10 +29,10 @@ def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], pag
                   **engine_kwargs)
 
 
-def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Sequence[int] = 32,
-             *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
-             num_pages: int | None = None, page_size: int | None = None,
+             attention_mask=None, num_pages: int | None = None, page_size: int | None = None,
              max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, progress: bool = True,
              cuda_graphs: bool = False, compile: bool = False,
              overlap_planning: bool = False) -> list[Result]:
@@ -36,41 +42,60 @@ def generate(model, prompts: Sequence[Prompt] | Prompt, max_new_tokens: int | Se
 
     Args:
         model: a model patched by ``torch_cp.patch_model``.
-        prompts: token-id lists (or 1-D tensors), or strings when ``tokenizer`` is given; one
-            such prompt alone is taken as a batch of one.
+        prompts: one prompt (a batch of one) or a batch, in any of these forms (L: a prompt's
+            tokens, B: prompts):
+
+            - token ids: ``list[int]`` or an integer tensor ``[L]``; a batch: a list of them
+              (lengths may differ);
+            - text: ``str`` or ``list[str]``, encoded by ``tokenizer`` (no special tokens);
+            - chat: a list of messages ``[{"role": "user", "content": "..."}, ...]``, or a
+              list of such conversations, rendered by ``tokenizer.apply_chat_template(...,
+              add_generation_prompt=True)`` (the tokenizer needs a chat template);
+            - an encoding: a ``BatchEncoding`` or dict with ``input_ids`` and
+              ``attention_mask`` (what ``tokenizer(texts, padding=True)`` or
+              ``apply_chat_template(..., return_dict=True)`` return), lists, tensors or NumPy
+              arrays, ``[L]`` or ``[B, L]``, left or right padded;
+            - padded ids ``[B, L]`` (tensor or lists) with ``attention_mask=`` ``[B, L]``.
+
+            With a mask each prompt is exactly its ids where the mask is 1 (Hugging Face's
+            convention); requests are packed, so padding never reaches the model. A ``[B, L]``
+            tensor (or two or more token lists of one length) without a mask whose rows start
+            or end with the pad id (the model's or the tokenizer's) is refused: pass its
+            ``attention_mask``.
         max_new_tokens: per request (an int for all, or one per prompt).
-        temperature, top_k, top_p, seed: sampling (temperature 0: greedy); see ``SamplingParams``.
+        temperature, top_k, top_p, seed: sampling (temperature 0: greedy, and top_k / top_p
+            are then ignored, with a warning); see ``SamplingParams``.
         eos_token_id: token id(s) that end a request (default: the model's generation config,
             else the tokenizer's).
-        tokenizer: encodes string prompts and decodes ``Result.text``.
+        tokenizer: encodes text and chat prompts, decodes ``Result.text``, and names a pad id.
+        attention_mask: the mask of padded ``input_ids`` given as ``prompts`` (1: a real
+            token, 0: padding), the same shape as them.
         num_pages: logical pages of the pool (default: enough for every request's whole
             lifetime; on CUDA at most 90% of free memory). Requests wait for pages.
         page_size: tokens per page (default: the one given to ``patch_model``).
         max_tokens_per_step: token budget of a step; longer prompts are prefilled in chunks.
-        progress: a tqdm bar of generated tokens on rank 0.
+        progress: on rank 0, one tqdm bar over prompt tokens prefilled and tokens generated,
+            and a line while CUDA graphs are captured and layers compiled.
         cuda_graphs: replay decode steps from CUDA graphs captured per batch-size bucket (CUDA;
             captured before the first step, with page tables as wide as the longest request).
         compile, overlap_planning: see ``Engine``.
     Returns:
         One ``Result`` per prompt, in order. A bad request (empty prompt, ids outside the
         vocabulary, more tokens than the pool can ever hold, max_new_tokens <= 0) gets
-        ``finish_reason="error"`` and the others still complete.
+        ``finish_reason="error"`` and the others still complete. A request whose prompt +
+        max_new_tokens runs past the model's ``max_position_embeddings`` runs, with a warning.
+    Raises:
+        ValueError: prompts in no form above, strings or chats without a (chat-capable)
+            tokenizer, a mask that does not fit, a padded tensor without its mask.
     """
     runtime = runtime_of(model)
     sampling = SamplingParams(temperature, top_k, top_p, seed)
-    token_prompts = normalize_prompts(prompts, tokenizer)
-    news = ([max_new_tokens] * len(token_prompts) if isinstance(max_new_tokens, int)
-            else list(max_new_tokens))
-    if len(news) != len(token_prompts):
-        raise ValueError(f"max_new_tokens has {len(news)} entries for {len(token_prompts)} prompts")
+    token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
+                                      pad_token_ids(model, tokenizer))
+    news = new_tokens_per_request(max_new_tokens, len(token_prompts))
     page_size = runtime.page_size if page_size is None else page_size
     engine = engine_for(model, token_prompts, [max(n, 1) for n in news], page_size, num_pages,
                         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
-                        compile=compile, overlap_planning=overlap_planning)
+                        compile=compile, overlap_planning=overlap_planning, progress=progress)
     eos = eos_ids(model, eos_token_id, tokenizer)
-    results = engine.run(token_prompts, news, sampling, eos, progress)
-    if tokenizer is None:
-        return results
-    return [Result(r.index, r.token_ids, r.finish_reason,
-                   tokenizer.decode(list(r.token_ids), skip_special_tokens=True), r.error)
-            for r in results]
+    return engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer)

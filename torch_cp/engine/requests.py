@@ -1,5 +1,5 @@
-"""Prompts as the user gives them -> token-id lists, the checks a request must pass, its stop
-tokens, and what it produced (``Result``)."""
+"""Requests: prompts as the user gives them (``normalize_prompts``, see ``prompts.py``), the
+checks a request must pass, its stop tokens, and what it produced (``Result``)."""
 
 from __future__ import annotations
 
@@ -7,41 +7,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
+from torch_cp.engine.prompts import Prompt, normalize_prompts, pad_token_ids
+from torch_cp.engine.scheduler import Request
 
-Prompt = Sequence[int] | torch.Tensor | str
+# Prompt forms live in prompts.py; re-exported here, where requests are made of them.
+__all__ = ["Prompt", "Result", "check_request", "eos_ids", "make_requests",
+           "new_tokens_per_request", "normalize_prompts", "pad_token_ids", "vocab_size",
+           "with_text"]
 
 
-def _is_token_list(x) -> bool:
-    return isinstance(x, Sequence) and not isinstance(x, str) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def normalize_prompts(prompts, tokenizer=None) -> list[list[int]]:
-    """Token-id lists from token lists, 1-D tensors or strings (with ``tokenizer``).
-
-    A single prompt (a string, a non-empty token list or a 1-D tensor) is a batch of one. An
-    empty list inside the batch stays empty: the engine reports it as a bad request.
-    """
-    if isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1):
-        prompts = [prompts]
-    elif isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
-        prompts = list(prompts)
-    elif _is_token_list(prompts) and len(prompts) > 0:
-        prompts = [prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError(f"prompt {i} is a string: pass tokenizer= to encode it")
-            out.append(list(tokenizer(p, add_special_tokens=False)["input_ids"]))
-        elif isinstance(p, torch.Tensor):
-            if p.dim() != 1 or p.is_floating_point():
-                raise ValueError(f"prompt {i}: a tensor prompt must be 1-D integer token ids")
-            out.append([int(t) for t in p.tolist()])
-        else:
-            out.append([int(t) for t in p])
-    return out
+def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int) -> list[int]:
+    """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's)."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * prompts
+    news = list(max_new_tokens)
+    if len(news) != prompts:
+        raise ValueError(f"max_new_tokens has {len(news)} entries for {prompts} prompts")
+    return news
 
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capacity: int
@@ -66,6 +48,19 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capaci
                         f"needs {needed} cached tokens, more than the pool can ever hold "
                         f"({capacity})")
     return "; ".join(problems) or None
+
+
+def make_requests(prompts: Sequence[Sequence[int]], news: Sequence[int], vocab: int,
+                  capacity: int) -> tuple[list[Request], dict[int, Result]]:
+    """(the requests that can run, error results by index of those that cannot)."""
+    requests, errors = [], {}
+    for i, (prompt, new) in enumerate(zip(prompts, news)):
+        error = check_request(prompt, new, vocab, capacity)
+        if error:
+            errors[i] = Result(i, (), "error", error=error)
+        else:
+            requests.append(Request(i, list(prompt), new))
+    return requests, errors
 
 
 @dataclass(frozen=True)
@@ -106,3 +101,10 @@ def eos_ids(model, eos_token_id, tokenizer) -> tuple[int, ...]:
     if eos_token_id is None:
         return ()
     return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
+
+def with_text(results: list[Result], tokenizer) -> list[Result]:
+    """``results`` with ``text`` decoded by ``tokenizer`` (special tokens skipped)."""
+    return [Result(r.index, r.token_ids, r.finish_reason,
+                   tokenizer.decode(list(r.token_ids), skip_special_tokens=True), r.error)
+            for r in results]

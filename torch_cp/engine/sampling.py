@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 # Mixes the request index into the seed so requests draw independent streams.
 _SEED_STRIDE = 1_000_003
@@ -97,3 +98,11 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
     filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(filtered, dim=-1)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+
+
+def broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tokens`` on every rank: on their device under NCCL (stream-ordered, no host
+    sync), else on the host."""
+    t = tokens if dist.get_backend() == "nccl" else tokens.cpu()
+    dist.broadcast(t, src=0)
+    return t

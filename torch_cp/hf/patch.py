@@ -14,10 +14,9 @@ from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
 from torch_cp.hf import model_generate
 from torch_cp.hf.forward import patched_forward
-from torch_cp.hf.validate import validate_patch
+from torch_cp.hf.validate import PatchSettings, validate_patch
 from torch_cp.layers import attention_modules, decoder_mlps
 from torch_cp.mesh import AXES, kv_head_replicas, partner_placement
-from torch_cp.models import Family
 from torch_cp.placement import ContextParallel
 from torch_cp.runtime import ModelRuntime, runtime_of
 from torch_cp.tp import row_parallel, shard_mlp
@@ -25,17 +24,21 @@ from torch_cp.tp import row_parallel, shard_mlp
 _ABSENT = object()
 
 
-def _shard(model: nn.Module, family: Family, attns: list[nn.Module], tp_rank: int, tp: int,
-           group) -> None:
-    layout = kv_head_replicas(family.kv_heads(model.config), tp)
-    for attn in attns:
-        family.shard_attention(attn, tp_rank, tp, layout)
+def shard_model(model: nn.Module, s: PatchSettings, mesh) -> None:
+    """Cut the attention heads (the family's ``shard_attention``) and every MLP/MoE block to this
+    TP rank's shards, in place (``s.tp > 1``). On a meta model nothing is allocated: each sharded
+    parameter only records the part it keeps (``torch_cp.tp.shard_of``), which
+    ``torch_cp.from_pretrained`` then reads from the checkpoint."""
+    tp_rank, group = mesh.get_local_rank(AXES[1]), mesh.get_group(AXES[1])
+    layout = kv_head_replicas(s.family.kv_heads(model.config), s.tp)
+    for attn in attention_modules(model, s.family.attention_classes):
+        s.family.shard_attention(attn, tp_rank, s.tp, layout)
         row_parallel(attn, "o_proj", group)
     for mlp in decoder_mlps(model):
-        shard_mlp(mlp, tp_rank, tp, group)
+        shard_mlp(mlp, tp_rank, s.tp, group)
 
 
-def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mode: str = "tp",
+def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mode: str = "auto",
                 backend: str = "torch", page_size: int = 16) -> nn.Module:
     """Patch a Hugging Face Qwen/GLM model in place to attend over a placed paged KV pool.
 
@@ -44,8 +47,10 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
             ``torch_cp.models.SUPPORTED_MODEL_TYPES``), fp32/bf16/fp16.
         context_parallel: stripe the pool over the ranks that share a KV head.
         mesh: ``torch_cp.init_mesh(tp=, sp=)`` (axes ("sp", "tp")) or None (one rank).
-        mode: ``"tp"`` (partners: TP ranks sharing a KV head, tp > kv_heads) or ``"sp"``
-            (partners: the SP ranks; heads split over TP alone).
+        mode: ``"tp"`` (partners: TP ranks sharing a KV head, tp > kv_heads), ``"sp"``
+            (partners: the SP ranks; heads split over TP alone) or ``"auto"``: SP mode when the
+            mesh has sp > 1, else TP mode. The mode chosen is the placement's
+            (``model.torch_cp.placement.mode``).
         backend: ``"torch"``, ``"flashinfer"`` or ``"auto"``.
         page_size: logical page size of the pools this model will use; a multiple of P.
     Returns:
@@ -58,19 +63,25 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
     """
     s = validate_patch(model, context_parallel=context_parallel, mesh=mesh, mode=mode,
                        backend=backend, page_size=page_size)
+    return patch_validated(model, s, mesh)
+
+
+def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True) -> nn.Module:
+    """``patch_model`` after ``validate_patch`` gave ``s``: placement, TP sharding (unless
+    ``shard=False``: the model was sharded already), runtime and the patched forwards."""
     family = s.family
-    placement = (partner_placement(mesh, mode, family.kv_heads(model.config))
+    placement = (partner_placement(mesh, s.mode, family.kv_heads(model.config))
                  if s.context_parallel else ContextParallel.single())
     exchange = Exchange(placement)
     tp_rank = mesh.get_local_rank(AXES[1]) if mesh is not None else 0
     tp_group = mesh.get_group(AXES[1]) if s.tp > 1 else None
     geometry = family.geometry(model.config, s.tp, placement)
-    attn_backend = make_backend(backend, geometry, s.device, s.dtype)
+    attn_backend = make_backend(s.backend, geometry, s.device, s.dtype)
     attns = attention_modules(model, family.attention_classes)
-    if s.tp > 1:
-        _shard(model, family, attns, tp_rank, s.tp, tp_group)
+    if s.tp > 1 and shard:
+        shard_model(model, s, mesh)
     runtime = ModelRuntime(placement, exchange, attn_backend, geometry, len(attns), s.dtype,
-                           s.device, page_size, s.tp, tp_rank, tp_group, family)
+                           s.device, s.page_size, s.tp, tp_rank, tp_group, family)
     for attn in attns:
         runtime.originals.append((attn, attn.__dict__.get("forward", _ABSENT)))
         attn.cp_attention = ContextParallelAttention(attn.layer_idx, attn_backend, exchange)

@@ -1,4 +1,8 @@
-"""Every check ``patch_model`` runs before it allocates or modifies anything; all at once."""
+"""Every check ``patch_model`` runs before it allocates or modifies anything; all at once.
+
+``mode="auto"`` resolves here: SP mode when the mesh has sp > 1, else TP mode. When context
+parallelism cannot run in the mode chosen but would in the other, the problem says so.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +19,14 @@ from torch_cp.models import Family, family_for
 from torch_cp.placement import ContextParallel, page_size_problems
 from torch_cp.tp import mlp_problems
 
-MODES = ("tp", "sp")
+MODES = ("auto", "tp", "sp")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class PatchSettings:
-    """What validation resolved; ``patch_model`` builds from it."""
+    """What validation resolved (``mode``: "tp" or "sp", never "auto"); ``patch_model`` builds
+    from it."""
 
     family: Family
     context_parallel: bool
@@ -74,7 +79,12 @@ def _layer_problems(model: nn.Module, family: Family) -> list[str]:
     return []
 
 
-def _context_parallel_problems(kv_heads: int, mode: str, tp: int, sp: int, page_size) -> list[str]:
+def resolve_mode(mode: str, sp: int) -> str:
+    """``"auto"``: SP mode when the mesh has sp > 1, else TP mode; an explicit mode as given."""
+    return ("sp" if sp > 1 else "tp") if mode == "auto" else mode
+
+
+def _mode_problems(kv_heads: int, mode: str, tp: int, sp: int, page_size) -> list[str]:
     problems = context_parallel_problems(mode, kv_heads, tp, sp)
     if problems or page_size_problems(page_size, 1):
         return problems  # a page size that is no positive int is reported once, above
@@ -83,13 +93,47 @@ def _context_parallel_problems(kv_heads: int, mode: str, tp: int, sp: int, page_
     return [f"{p} ({who})" for p in page_size_problems(page_size, partners)]
 
 
+def _context_parallel_problems(kv_heads: int, mode: str, tp: int, sp: int, page_size) -> list[str]:
+    """Why context parallelism cannot run in ``mode`` (resolved) here, with the other mode
+    suggested where that one would run."""
+    chosen = resolve_mode(mode, sp)
+    problems = _mode_problems(kv_heads, chosen, tp, sp, page_size)
+    if not problems:
+        return []
+    other = "sp" if chosen == "tp" else "tp"
+    if mode == "auto":
+        problems[0] += f" (mode='auto' chose {chosen.upper()} mode: the mesh has sp = {sp})"
+    other_works = not _mode_problems(kv_heads, other, tp, sp, page_size) and (
+        other == "sp" or tp % kv_heads == 0)
+    if other_works:
+        problems[0] += f"; {other.upper()} mode would work on this mesh: mode={other!r}"
+    return problems
+
+
 def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,
-                   page_size: int) -> PatchSettings:
-    """Check every ``patch_model`` argument against the model; ValueError naming every problem."""
+                   page_size: int, device: torch.device | None = None) -> PatchSettings:
+    """Check every ``patch_model`` argument against the model; ValueError naming every problem.
+
+    ``device``: where the model's weights will be (``from_pretrained`` validates a model on the
+    meta device before loading anything); by default where its parameters are.
+    """
+    settings, problems = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
+                                        mode=mode, backend=backend, page_size=page_size,
+                                        device=device)
+    if problems:
+        raise ValueError("cannot patch the model:\n  - " + "\n  - ".join(problems))
+    return settings
+
+
+def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,
+                   page_size: int, device: torch.device | None = None
+                   ) -> tuple[PatchSettings | None, list[str]]:
+    """``validate_patch``'s checks as (settings, problems): settings is None unless problems is
+    empty. For callers that add problems of their own before raising once."""
     problems: list[str] = []
     config = getattr(model, "config", None)
     if config is None:
-        raise ValueError("cannot patch: the model has no config (expected a transformers model)")
+        return None, ["the model has no config (expected a transformers model)"]
     if hasattr(model, "torch_cp"):
         problems.append("the model is already patched (call torch_cp.unpatch_model first)")
     family = None
@@ -100,7 +144,8 @@ def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
     if mode not in MODES:
         problems.append(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     problems += page_size_problems(page_size, 1)
-    dtype, device = _model_dtype_device(model)
+    dtype, param_device = _model_dtype_device(model)
+    device = param_device if device is None else device
     if dtype not in DTYPES:
         problems.append(f"dtype must be float32, bfloat16 or float16, the model has {dtype}")
     tp, sp = _mesh_sizes(mesh, problems)
@@ -122,6 +167,6 @@ def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
     elif context_parallel and family is not None and tp is not None and mode in MODES:
         problems += _context_parallel_problems(family.kv_heads(config), mode, tp, sp, page_size)
     if problems:
-        raise ValueError("cannot patch the model:\n  - " + "\n  - ".join(problems))
-    return PatchSettings(family, bool(context_parallel), mode, backend, page_size, tp, sp,
-                         dtype, device)
+        return None, problems
+    return PatchSettings(family, bool(context_parallel), resolve_mode(mode, sp), backend,
+                         page_size, tp, sp, dtype, device), []

@@ -1,0 +1,160 @@
+"""torch_cp.from_pretrained in one process: the whole model as transformers loads it, every
+problem named before any weight is read, a parameter left unloaded named, and the reader that
+pushes a rank's part of a fused parameter through the expert stacking and concatenation.
+
+Checkpoints: tests/helpers/saved_checkpoints.py (the tiny Qwen3 and DeepSeek-V3 of
+test_from_pretrained, which loads them sharded over gloo ranks).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from saved_checkpoints import save_checkpoints
+
+import torch_cp
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return save_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def one_rank_world(tmp_path_factory):
+    """A one-rank gloo world for shape-only meshes (as tests/hf/test_validate.py)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def shape_mesh(sp: int, tp: int):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(sp * tp).view(sp, tp), mesh_dim_names=("sp", "tp"),
+                      _init_backend=False)
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+    """Fail the test if from_pretrained reads any weight."""
+    def read(*args, **kwargs):
+        raise AssertionError("a weight was read")
+    monkeypatch.setattr("torch_cp.hf.load.read_into", read)
+
+
+@pytest.mark.parametrize("name, dtype", [("qwen3", torch.bfloat16), ("qwen3", None),
+                                         ("deepseek_v3", torch.float16)])
+def test_one_rank_loads_what_transformers_loads(checkpoints, name, dtype):
+    """mesh=None: every parameter and persistent buffer as transformers loads it, bit for bit,
+    in the dtype asked (None: the checkpoint's, float32; DeepSeek-V3's router stays float32 as
+    transformers keeps it), tied embeddings still one tensor."""
+    model = torch_cp.from_pretrained(checkpoints[name], dtype=dtype)
+    want = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name],
+                                                             dtype=dtype or torch.float32)
+    mine, ref = model.state_dict(), want.state_dict()
+    assert mine.keys() == ref.keys()
+    for key, tensor in ref.items():
+        assert mine[key].dtype == tensor.dtype and torch.equal(mine[key], tensor), key
+    assert model.dtype == (dtype or torch.float32) and not model.training
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (name == "qwen3")
+    assert model.torch_cp.tp == 1
+
+
+def test_every_problem_is_named_before_any_weight_is_read(checkpoints, one_rank_world,
+                                                          no_reads):
+    with pytest.raises(ValueError) as info:
+        torch_cp.from_pretrained(checkpoints["qwen3"], mesh=shape_mesh(1, 3), mode="ring",
+                                 backend="triton", page_size=0, dtype=torch.float64)
+    for problem in ("mode must be one of auto, tp, sp, got 'ring'", "backend must be one of",
+                    "page_size must be a positive int, got 0",
+                    "dtype must be float32, bfloat16 or float16, got torch.float64",
+                    "4 query heads do not split evenly over tp = 3"):
+        assert problem in str(info.value)
+    with pytest.raises(ValueError, match="SP mode would work on this mesh: mode='sp'"):
+        torch_cp.from_pretrained(checkpoints["qwen3"], mesh=shape_mesh(2, 1), mode="tp",
+                                 context_parallel=True)
+
+
+def _rewrite(src: str, dst, change) -> str:
+    """A copy of the one-file checkpoint ``src`` in ``dst`` with ``change(tensors)`` applied."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(f"{src}/model.safetensors")
+    change(tensors)
+    save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_keys_that_do_not_match_are_named(checkpoints, tmp_path, no_reads):
+    def change(t):
+        del t["model.norm.weight"]
+        t["model.extra.weight"] = torch.zeros(3)
+        t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(64, 64)
+    path = _rewrite(checkpoints["qwen3"], tmp_path / "ckpt", change)
+    with pytest.raises(ValueError) as info:
+        torch_cp.from_pretrained(path)
+    for problem in ("missing from the checkpoint: model.norm.weight",
+                    "unexpected checkpoint keys (not in the model): model.extra.weight",
+                    "model.layers.0.mlp.up_proj.weight: the checkpoint holds shape [64, 64], "
+                    "the model [128, 64]"):
+        assert problem in str(info.value)
+
+
+def test_paths_without_a_checkpoint_are_named(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="not a directory with a config.json"):
+        torch_cp.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text((Path(checkpoints["qwen3"]) / "config.json").read_text())
+    with pytest.raises(ValueError, match="holds no safetensors checkpoint"):
+        torch_cp.from_pretrained(tmp_path)
+    sharded = shutil.copytree(checkpoints["deepseek_v3"], tmp_path / "sharded")
+    lost = sorted(sharded.glob("model-*.safetensors"))[1]
+    lost.unlink()
+    with pytest.raises(ValueError, match=f"names {lost.name}, which is not in"):
+        torch_cp.from_pretrained(sharded)
+
+
+def test_a_parameter_left_on_meta_is_named(checkpoints, tmp_path, monkeypatch):
+    cls = transformers.Qwen3ForCausalLM
+    monkeypatch.setattr(cls, "_keys_to_ignore_on_load_missing", [r"model\.norm\.weight"])
+    path = _rewrite(checkpoints["qwen3"], tmp_path / "ckpt",
+                    lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(RuntimeError, match="model.norm.weight is still on the meta device"):
+        torch_cp.from_pretrained(path)
+
+
+@pytest.mark.parametrize("dim, runs", [
+    (None, None), (1, [(4, 6), (1, 4)]), (1, [(0, 6)]), (2, [(3, 5), (0, 2)]), (0, [(1, 2)]),
+], ids=["whole", "cat-dim-out-of-order-across-parts", "cat-dim-all", "inner-dim", "stack-dim"])
+def test_reads_follow_the_runs_through_stack_and_cat(tmp_path, dim, runs):
+    """A fused parameter ``cat([stack(a0, a1), stack(b0, b1)], 1)`` read in parts equals the
+    same parts of the fused tensor (runs crossing from a to b, in any order)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from torch_cp.hf.checkpoint import Cat, Leaf, Stack, read_into
+
+    parts = {k: torch.randn(3, 5) for k in ("a0", "a1", "b0", "b1")}
+    save_file(parts, tmp_path / "w.safetensors")
+    leaf = {k: Leaf(k, "w.safetensors", (3, 5)) for k in parts}
+    tree = Cat(1, (Stack(0, (leaf["a0"], leaf["a1"])), Stack(0, (leaf["b0"], leaf["b1"]))))
+    full = torch.cat([torch.stack([parts["a0"], parts["a1"]]),
+                      torch.stack([parts["b0"], parts["b1"]])], 1)
+    assert tree.shape == full.shape
+    want = full if dim is None else full.index_select(
+        dim, torch.tensor([i for a, b in runs for i in range(a, b)]))
+    out = torch.empty_like(want)
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        read_into(tree, out, dim, runs, lambda name: f)
+    assert torch.equal(out, want)

@@ -1,0 +1,133 @@
+"""What a run tells its user: one progress bar over prompt and generated tokens, status lines
+while CUDA graphs are captured and layers compiled, and warnings where a setting is ignored or a
+request runs past the model's positions.
+
+Status lines go through ``tqdm.write`` to stderr on rank 0: unlike ``logging`` at INFO they show
+without any logging setup, and unlike a bare ``print`` they do not tear a bar being drawn. Every
+count is a host int the scheduler already holds: the bar adds no device sync to a step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Iterable
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from torch_cp.engine.sampling import SamplingParams
+from torch_cp.engine.scheduler import Request
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class EngineWarning(UserWarning):
+    """Base of the engine's warnings."""
+
+
+class IgnoredSettingWarning(EngineWarning):
+    """A setting was given that has no effect (``top_k`` / ``top_p`` at temperature 0)."""
+
+
+class PositionLimitWarning(EngineWarning):
+    """A request runs past the model's ``max_position_embeddings``."""
+
+
+def rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside torch_cp (the user's line)."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called warn()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def warn_ignored_sampling(sampling: SamplingParams) -> None:
+    given = [f"{name}={value}" for name, value in (("top_k", sampling.top_k),
+                                                   ("top_p", sampling.top_p)) if value is not None]
+    if sampling.greedy and given:
+        warn(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} ignored at temperature "
+             f"0 (greedy decoding takes the most likely token): pass temperature > 0 to sample "
+             f"with {'it' if len(given) == 1 else 'them'}, or leave "
+             f"{'it' if len(given) == 1 else 'them'} out", IgnoredSettingWarning)
+
+
+def max_positions(model) -> int | None:
+    """The text config's ``max_position_embeddings`` (None when the config has none)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
+
+
+def warn_past_positions(model, requests: Iterable[Request]) -> None:
+    """One warning for every request whose prompt + max_new_tokens exceeds the model's
+    ``max_position_embeddings``; they still run."""
+    limit = max_positions(model)
+    if not isinstance(limit, int):
+        return
+    long = {r.index: len(r.prompt) + r.max_new_tokens for r in requests
+            if len(r.prompt) + r.max_new_tokens > limit}
+    if long:
+        shown = ", ".join(f"request {i} ({n})" for i, n in list(long.items())[:8])
+        warn(f"{len(long)} request(s) need more positions (prompt + max_new_tokens) than the "
+             f"model's max_position_embeddings ({limit}): {shown}"
+             f"{', ...' if len(long) > 8 else ''}. They still run, but the model was not trained "
+             f"on positions past {limit} and its output may degrade there; shorten the prompt "
+             f"or max_new_tokens to stay within it",
+             PositionLimitWarning)
+
+
+def status(message: str, show: bool = True) -> None:
+    """One line to stderr on rank 0 (above a progress bar being drawn, if any)."""
+    if show and rank0():
+        tqdm.write(f"torch_cp: {message}", file=sys.stderr)
+
+
+class Progress:
+    """One tqdm bar (rank 0, when ``show``) over a run's tokens: the prompt tokens as they are
+    prefilled (a long prompt in chunks moves it) and the new tokens as they are generated.
+
+    Its total is every prompt token plus every max_new_tokens; a request that stops early
+    (EOS, an error) takes what it will not do off the total. The description names the phase
+    of the last step ("prefill" when it prefilled prompt tokens, else "decode").
+    """
+
+    def __init__(self, requests: Iterable[Request], show: bool):
+        requests = list(requests)
+        self.prompt_total = sum(len(r.prompt) for r in requests)
+        self.prefilled = self.generated = 0
+        self.phase = "prefill"
+        total = self.prompt_total + sum(r.max_new_tokens for r in requests)
+        self.bar = tqdm(total=total, unit="tok", desc=self.phase, disable=not (show and rank0()))
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+    def advance(self, prefilled: int, generated: int) -> None:
+        """A step prefilled ``prefilled`` prompt tokens and generated ``generated`` tokens."""
+        self.prefilled += prefilled
+        self.generated += generated
+        if self.bar.disable:
+            return
+        phase = "prefill" if prefilled else "decode"
+        if phase != self.phase:
+            self.phase = phase
+            self.bar.set_description_str(phase, refresh=False)
+        self.bar.set_postfix_str(f"prompt {self.prefilled}/{self.prompt_total}, "
+                                 f"new {self.generated}", refresh=False)
+        self.bar.update(prefilled + generated)
+
+    def stop(self, request: Request) -> None:
+        """``request`` ended: its prompt tokens not prefilled and tokens not generated leave
+        the total."""
+        unfilled = len(request.prompt) - min(request.cached, len(request.prompt))
+        self.prompt_total -= unfilled
+        self.bar.total -= unfilled + request.max_new_tokens - len(request.generated)

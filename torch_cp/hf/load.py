@@ -1,0 +1,184 @@
+"""torch_cp.from_pretrained: each rank loads only its own TP shards of a safetensors checkpoint.
+
+The steps, every check before any weight is read:
+
+1. The config (``transformers.AutoConfig``) and the model built from it with
+   ``accelerate.init_empty_weights()``: parameters on the meta device (no memory), buffers real
+   (the rotary ``inv_freq`` is computed in ``__init__``, not stored in checkpoints). accelerate
+   re-creates each parameter on meta, which unties tied embeddings, so transformers'
+   ``tie_weights()`` ties them again.
+2. Everything ``patch_model`` checks (``validate_patch`` on the meta model, with the device the
+   weights will go to), the checkpoint's files and keys against the model (missing, unexpected,
+   shapes; ``torch_cp.hf.checkpoint``), the dtype: one ValueError naming every problem.
+3. TP sharding of the meta model by ``patch_model``'s own rules (``shard_model``: the family's
+   ``shard_attention`` and ``torch_cp.tp``'s MLP/MoE split). Nothing is allocated; each sharded
+   parameter records which part of the full tensor it keeps (``torch_cp.tp.Shard``).
+4. Each parameter read from the safetensors files (``safe_open``, ``get_slice``): a recorded
+   shard only in its rows/columns, the rest (embeddings, norms, ``lm_head``, routers) whole,
+   straight into a tensor of the final dtype on the final device. So a TP rank's peak memory is
+   about its shard, and its parameters equal those ``patch_model`` cuts from the whole model.
+5. ``patch_model``'s remaining steps (placement, runtime, patched forwards).
+
+Why these libraries: transformers owns the model classes, the checkpoint key renaming and MoE
+expert fusion (reused, so keys map exactly as its ``from_pretrained`` maps them), tying, and
+``GenerationConfig``; accelerate's ``init_empty_weights`` keeps buffers real, where a
+``torch.device("meta")`` block would leave ``inv_freq`` to recompute; safetensors reads a slice of
+a tensor from its memory map without reading the rest. transformers' own loader cannot be used:
+its tensor parallelism (DTensor ``tp_plan``) cannot hold a KV head on several ranks, which TP-mode
+context parallelism needs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import accelerate
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+
+from torch_cp.hf.checkpoint import map_checkpoint, read_headers, read_into
+from torch_cp.hf.patch import patch_validated, shard_model
+from torch_cp.hf.validate import DTYPES, patch_problems
+from torch_cp.tp import SHARD_ATTR, shard_of
+
+
+def _dtype(dtype, config, problems: list[str]) -> torch.dtype:
+    """The dtype asked for (None or "auto": the checkpoint's ``config.dtype``, else float32)."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):  # "bfloat16", as config.json spells it
+        dtype = getattr(torch, dtype, dtype)
+    if dtype not in DTYPES:
+        problems.append(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return torch.float32
+    return dtype
+
+
+def _device(device, mesh) -> torch.device:
+    """``device``, else the mesh's (CUDA: the current device), else CUDA when available."""
+    if device is not None:
+        return torch.device(device)
+    kind = getattr(mesh, "device_type", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else (
+        torch.device(kind))
+
+
+def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model.eval()
+
+
+class _Files:
+    """Open safetensors files, each closed (its memory map released) after its last read."""
+
+    def __init__(self, path: Path):
+        self.path, self.handles = path, {}
+
+    def __call__(self, name: str):
+        if name not in self.handles:
+            self.handles[name] = safe_open(str(self.path / name), framework="pt")
+        return self.handles[name]
+
+    def close(self, name: str) -> None:
+        self.handles.pop(name, None)  # the last reference: safetensors unmaps the file
+
+
+def _load(model: nn.Module, trees: dict, files: _Files, device: torch.device) -> None:
+    """Replace every meta parameter / buffer named in ``trees`` by its part read from the files,
+    in every module that holds it (tied parameters stay one object)."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    order = sorted(trees, key=lambda n: (max(trees[n].files), n))  # roughly file by file
+    last = {f: i for i, n in enumerate(order) for f in trees[n].files}
+    loaded = {}
+    for i, name in enumerate(order):
+        old = tensors[name]
+        shard = shard_of(old)
+        new = torch.empty(old.shape, dtype=old.dtype, device=device)
+        with torch.no_grad():
+            read_into(trees[name], new, shard and shard.dim, shard and shard.runs(), files)
+        if isinstance(old, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+            if shard is not None:
+                setattr(new, SHARD_ATTR, shard)
+        loaded[id(old)] = new
+        for f in trees[name].files:
+            if last[f] == i:
+                files.close(f)
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for key, value in slots.items():
+                if value is not None and id(value) in loaded:
+                    slots[key] = loaded[id(value)]
+
+
+def _loaded_problems(model: nn.Module, dtype: torch.dtype, tied: bool) -> list[str]:
+    problems = [f"{n} is still on the meta device" for n, p in
+                (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
+    if model.dtype != dtype:
+        problems.append(f"the model loaded as {model.dtype}, not {dtype}")
+    if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        problems.append("the tied input and output embeddings came apart")
+    return problems
+
+
+def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
+                    context_parallel: bool = False, dtype: torch.dtype | str | None = None,
+                    backend: str = "torch", page_size: int = 16, device=None) -> nn.Module:
+    """Load a Hugging Face checkpoint with each rank reading only its own TP shards, then patch it.
+
+    The same model as ``patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=dtype),
+    ...)``, with the same parameters on every rank, without any rank ever holding the whole
+    model: its peak memory is about its shard plus the replicated parameters (embeddings, norms,
+    ``lm_head``, routers). See this module's docstring for how.
+
+    Args:
+        path: a local directory with ``config.json`` and ``model.safetensors`` (or
+            ``model.safetensors.index.json`` and its shards), as ``save_pretrained`` writes.
+        mesh, mode, context_parallel, backend, page_size: as ``patch_model``'s.
+        dtype: float32, bfloat16 or float16 (or its name); None or "auto": the checkpoint's
+            (``config.dtype``), float32 when it names none. Parameters the model class keeps in
+            float32 (``_keep_in_fp32_modules``, e.g. MoE routers) stay float32, as transformers
+            loads them.
+        device: where the weights go; None: the mesh's device type (CUDA: the current device),
+            without a mesh CUDA when available, else the CPU.
+    Returns:
+        The patched model (``model.torch_cp``), in eval mode, with the checkpoint's
+        ``generation_config.json`` when it has one.
+    Raises:
+        ValueError naming every problem (a path without a checkpoint, everything ``patch_model``
+        refuses, keys missing from the checkpoint or not in the model, shapes that differ),
+        before any weight is read.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"cannot load {str(path)!r}: not a directory with a config.json (a "
+                         f"local checkpoint; download one with huggingface_hub.snapshot_download)")
+    config = transformers.AutoConfig.from_pretrained(path)
+    problems: list[str] = []
+    dtype = _dtype(dtype, config, problems)
+    device = _device(device, mesh)
+    model = _meta_model(config, dtype)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    settings, refused = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
+                                       mode=mode, backend=backend, page_size=page_size,
+                                       device=device)
+    leaves, file_problems = read_headers(path)
+    trees, key_problems = map_checkpoint(model, leaves) if leaves else ({}, [])
+    problems += refused + file_problems + key_problems
+    if problems:
+        raise ValueError(f"cannot load {str(path)!r}:\n  - " + "\n  - ".join(problems))
+    if settings.tp > 1:
+        shard_model(model, settings, mesh)
+    _load(model, trees, _Files(path), device)
+    problems = _loaded_problems(model, dtype, tied)
+    if problems:
+        raise RuntimeError("from_pretrained left the model incomplete: " + "; ".join(problems))
+    model.to(device)  # the buffers made in __init__ (rotary inv_freq)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    return patch_validated(model, settings, mesh, shard=False)
