@@ -45,6 +45,7 @@ def ranks(request):
     return request.param, run_ranks(request.param, _run_all, CASES)
 
 
+@pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_placed_equals_dense(ranks, case):
     size, per_rank = ranks
@@ -57,6 +58,7 @@ def test_placed_equals_dense(ranks, case):
                                        msg=lambda m, where=where: f"{where}: {m}")
 
 
+@pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_partners_issue_identical_collectives(ranks, case):
     _, per_rank = ranks

@@ -40,6 +40,7 @@ def no_torchrun(monkeypatch):
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # spawns processes
 def test_a_plain_cpu_process_gets_a_one_rank_mesh():
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     done = subprocess.run([sys.executable, "-c", ONE_RANK], capture_output=True, text=True,

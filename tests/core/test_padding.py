@@ -53,6 +53,7 @@ def test_padding_is_invisible_on_one_partner(case):
     _check(case, *_outputs(ContextParallel.single(), case), "P=1")
 
 
+@pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_padding_is_invisible_across_partners(two_partners, case):
     for rank, results in enumerate(two_partners):

@@ -17,6 +17,8 @@ from torch_cp.engine.sampling import SamplingParams
 from torch_cp.mesh import init_mesh
 from torch_cp.tiny import tiny_qwen3
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 PROMPTS = [[42], [200, 3, 150, 7, 99], list(range(1, 20)), [],
            [(7 * i) % 300 + 1 for i in range(27)]]
 NEW = 8

@@ -13,6 +13,8 @@ import torch_cp
 from torch_cp.compat import cache_kwarg
 from torch_cp.plan import Bucket, build_step_plan
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 PAGE = 8
 WIDTH = 8  # page-table width of the buckets
 BUCKETS = [Bucket(4, 4, 4 * WIDTH), Bucket(4, 32, 4 * WIDTH)]

@@ -23,6 +23,8 @@ from torch_cp.engine.steps import StepLauncher
 from torch_cp.graphs import compiled_layers
 from torch_cp.plan import build_step_plan
 
+pytestmark = pytest.mark.slow  # compiles with Inductor
+
 PAGE = 8
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -66,7 +68,6 @@ def _on_rank(rank: int, world: int):
     return eager_and_compiled(model)
 
 
-@pytest.mark.slow
 def test_compiled_placed_model_equals_eager_over_two_partners():
     for rank, (eager, compiled) in enumerate(run_ranks(2, _on_rank)):
         for e, c in zip(eager, compiled):

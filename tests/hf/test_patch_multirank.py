@@ -28,6 +28,8 @@ from torch_cp.kv import GQAPool
 from torch_cp.mesh import init_mesh
 from torch_cp.placement import ContextParallel
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 PAGE_SIZE = 8
 
 

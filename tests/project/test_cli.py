@@ -25,6 +25,8 @@ from torch_cp.__main__ import (
 )
 from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
 
+pytestmark = pytest.mark.slow  # runs the CLI in subprocesses, under torchrun too
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 BIN = os.path.dirname(sys.executable)
 TORCHRUN = os.path.join(BIN, "torchrun")
