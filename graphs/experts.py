@@ -10,7 +10,7 @@ one exception: ``grouped_mm`` is captured only with bf16 weights (with fp32 it c
 host inside the capture on the H200, eager or compiled).
 
 What can be captured, how exact and how fast each is: ``benchmarks/experts.py`` (BENCHMARKS.md,
-"MoE experts"); which is picked: ``PREFERRED``.
+"MoE models under CUDA graphs"); which is picked: ``PREFERRED``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import logging
 import torch
 from torch import nn
 
+from torch_cp import compat
+
 log = logging.getLogger("torch_cp")
 
-# By measurement on the H200 (BENCHMARKS.md, "MoE experts"; Qwen3-30B-A3B and GLM-4.7-Flash
-# blocks, bf16, replayed from a graph): grouped_mm takes 0.49-0.58 ms at 32 and 64 tokens against
-# batched_mm's 1.6-3.1 ms (which copies every token's experts), and 0.11-0.16 ms against 0.10-0.15
-# at one token; both are as exact (the same error against fp32). batched_mm is the one left
-# where grouped_mm cannot be captured (weights other than bf16).
+# By measurement on the H200 (BENCHMARKS.md, "MoE models under CUDA graphs"; Qwen3-30B-A3B and
+# GLM-4.7-Flash blocks, bf16, replayed from a graph): grouped_mm takes 0.49-0.58 ms at 32 and 64
+# tokens against batched_mm's 1.6-3.1 ms (which copies every token's experts), and 0.11-0.16 ms
+# against 0.10-0.15 at one token; both are as exact (the same error against fp32). batched_mm is
+# the one left where grouped_mm cannot be captured (weights other than bf16).
 PREFERRED = ("grouped_mm", "batched_mm")
 
 
@@ -38,8 +40,10 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 
 def _dispatches(experts: nn.Module) -> bool:
     """Whether ``experts`` runs through transformers' experts implementations."""
-    return hasattr(experts, "is_concatenated") and hasattr(
-        getattr(experts, "config", None), "_experts_implementation")
+    try:
+        return hasattr(experts, "is_concatenated") and bool(compat.experts_implementation(experts))
+    except AttributeError:
+        return False
 
 
 def capturable(name: str | None, dtype: torch.dtype, device: torch.device) -> bool:
@@ -82,13 +86,11 @@ def capturable_experts(model: nn.Module) -> str | None:
         return None
     param = experts[0].down_proj
     dtype, device = param.dtype, param.device
-    current = {e.config._experts_implementation for e in experts}
+    current = {compat.experts_implementation(e) for e in experts}
     if all(capturable(name, dtype, device) for name in current):
         return None
     choice = next(n for n in PREFERRED if capturable(n, dtype, device))
-    model.set_experts_implementation(choice)
-    for e in experts:  # configs of submodels that set_experts_implementation does not reach
-        e.config._experts_implementation = choice
+    compat.set_experts_implementation(model, experts, choice)
     log.warning("torch_cp: MoE experts implementation %s cannot be captured in a CUDA graph "
                 "with %s weights; switched to %r (model.set_experts_implementation)",
                 "/".join(sorted(map(repr, current))), str(dtype).removeprefix("torch."), choice)

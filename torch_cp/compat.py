@@ -1,6 +1,6 @@
 """Every private PyTorch and transformers hook torch_cp relies on, in one place.
 
-Each is an attribute or signature a release may change without notice; ``tests/core/test_compat.py``
+Each is an attribute or signature a release may change without notice; ``tests/project/test_compat.py``
 checks them against the installed versions and fails loudly, naming the hook, when one moves.
 
 - ``nn.Module._compiled_call_impl`` and ``_call_impl``: what ``nn.Module.compile()`` sets (the
@@ -12,6 +12,9 @@ checks them against the installed versions and fails loudly, naming the hook, wh
   renamed ``all_gather_single`` in torch 2.13; the GPU machine's 2.11 has only the old name).
 - ``GenerationMixin._prepare_cache_for_generation``: where ``model.generate`` builds its cache;
   a patched model overrides it to build a paged one.
+- ``config._experts_implementation``: which experts forward a ``@use_experts_implementation``
+  MoE block runs (``graphs/experts.py`` reads it, and sets it where ``set_experts_implementation``
+  does not reach).
 """
 
 from __future__ import annotations
@@ -76,3 +79,15 @@ def cache_kwarg(model: nn.Module) -> str:
     before (later releases drop the old name)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def experts_implementation(experts: nn.Module) -> str | None:
+    """The experts implementation a transformers MoE ``experts`` module dispatches to."""
+    return experts.config._experts_implementation
+
+
+def set_experts_implementation(model: nn.Module, experts: list[nn.Module], name: str) -> None:
+    """Switch ``model``'s MoE experts to ``name``, also in sub-configs the public setter skips."""
+    model.set_experts_implementation(name)
+    for e in experts:
+        e.config._experts_implementation = name

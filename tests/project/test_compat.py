@@ -55,3 +55,17 @@ def test_generate_builds_its_cache_through_the_hook_torch_cp_overrides():
     assert params == list(compat.PREPARE_CACHE_PARAMS), params
     source = inspect.getsource(GenerationMixin)
     assert f"self.{compat.PREPARE_CACHE}(" in source, "generate() no longer calls the hook"
+
+
+def test_moe_experts_dispatch_on_the_config_attribute_torch_cp_switches():
+    """``graphs/experts.py`` reads and sets ``config._experts_implementation`` (compat's
+    ``experts_implementation``); a release that renames it must fail here, naming it."""
+    from driver import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]
+    assert experts, "qwen3_moe has MoE blocks"
+    assert compat.experts_implementation(experts[0]) is not None, \
+        "config._experts_implementation moved"
+    compat.set_experts_implementation(model, experts, "batched_mm")
+    assert {compat.experts_implementation(e) for e in experts} == {"batched_mm"}
