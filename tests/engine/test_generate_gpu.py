@@ -10,7 +10,7 @@ import gpu_models
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_models import near_tie
+from gpu_models import NEW_TOKENS, PROMPT_LENGTHS, near_tie, prompts, tokens
 from multirank import run_ranks
 
 import torch_cp
@@ -21,9 +21,6 @@ pytestmark = [
                        reason="needs FlashInfer"),
 ]
 
-PROMPT_LENGTHS = (3, 17, 40, 70)
-NEW_TOKENS = 24
-
 
 def qwen3():
     # head_dim 128 keeps FlashInfer on its prebuilt kernels; 1 KV head allows TP mode at tp = 2.
@@ -31,16 +28,6 @@ def qwen3():
 
 
 MODELS = {"qwen3": qwen3, "mla": gpu_models.mla}
-
-
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 300, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def tokens(results):
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [list(r.token_ids) for r in results]
 
 
 @pytest.mark.parametrize("name", list(MODELS))

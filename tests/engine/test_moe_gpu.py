@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from gpu_models import MOE_MODELS, near_tie, router_near_tie
+from gpu_models import MOE_MODELS, NEW_TOKENS, near_tie, prompts, router_near_tie, tokens
 
 import torch_cp
 
@@ -18,19 +18,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                        reason="needs FlashInfer"),
 ]
-
-PROMPT_LENGTHS = (3, 17, 40, 70)
-NEW_TOKENS = 24
-
-
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 300, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def tokens(results):
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [list(r.token_ids) for r in results]
 
 
 def assert_equal_but_near_ties(model, want_streams, have_streams):

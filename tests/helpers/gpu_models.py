@@ -21,6 +21,21 @@ def qwen3(dtype, kv_heads: int = 1):
                       num_attention_heads=4, num_key_value_heads=kv_heads)
 
 
+PROMPT_LENGTHS = (3, 17, 40, 70)  # the GPU tests' prompts: one short, some over a page
+NEW_TOKENS = 24
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 300, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def tokens(results) -> list[list[int]]:
+    """Every result's tokens; each request must have run."""
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [list(r.token_ids) for r in results]
+
+
 # kv_lora_rank 512 / rope 64: FlashInfer's prebuilt MLA kernels.
 MLA = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16,

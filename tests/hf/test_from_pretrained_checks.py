@@ -24,20 +24,6 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return save_checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
-@pytest.fixture(scope="module")
-def one_rank_world(tmp_path_factory):
-    """A one-rank gloo world for shape-only meshes (as tests/hf/test_validate.py)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def shape_mesh(sp: int, tp: int):
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from driver import tiny_model
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,16 +18,7 @@ from torch_cp import models
 from torch_cp.hf.validate import validate_patch
 from torch_cp.mesh import AXES
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world(tmp_path_factory):
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_world")  # tests/hf/conftest.py
 
 
 def mesh(sp: int, tp: int, names=AXES, device: str = "cpu") -> DeviceMesh:
