@@ -41,6 +41,18 @@ def _generate(model):
             engine.kv_bytes, engine.allocator.free_pages)
 
 
+def _pool_cap(model, rank: int) -> int:
+    """The default pool's page cap when the ranks see different free host memory."""
+    from torch_cp.engine import memory
+
+    free = memory.free_host_bytes
+    memory.free_host_bytes = lambda: (rank + 1) * 2**20
+    try:
+        return memory.memory_cap_pages(model.torch_cp, PAGE)
+    finally:
+        memory.free_host_bytes = free
+
+
 def _ranks(rank: int, world_size: int):
     out = {}
     for mode, sizes in MESHES.items():
@@ -57,6 +69,7 @@ def _ranks(rank: int, world_size: int):
         model.torch_cp.exchange.records = None
         out[f"{mode} overlap"] = (tokens, engine.launched_ahead_steps,
                                   [(r.op, r.shape) for r in records])
+        out[f"{mode} pool cap"] = _pool_cap(model, rank)
     mesh = init_mesh(tp=2, sp=1, device_type="cpu")
     model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
     assert model.torch_cp.placement.size == 1 and model.torch_cp.tp == 2
@@ -139,3 +152,10 @@ def test_model_generate_over_two_partners_equals_hf(ranks, hf, mode):
     expected = [list(t) for t in hf if t]
     for rank, per_mode in enumerate(ranks):
         assert per_mode[f"{mode} model.generate"] == expected, f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_the_default_pool_cap_is_the_same_on_every_rank(ranks, mode):
+    """Rank 1 sees twice rank 0's free memory; both size the default pool by rank 0's."""
+    caps = [per_mode[f"{mode} pool cap"] for per_mode in ranks]
+    assert caps[0] == caps[1] > 0

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from torch_cp.engine.checks import engine_problems
 from torch_cp.engine.feedback import Progress, status, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Result,
@@ -33,7 +34,6 @@ from torch_cp.engine.scheduler import Row, Scheduler
 from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, row_key
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
-from torch_cp.placement import page_size_problems
 from torch_cp.plan import StepRefused
 from torch_cp.runtime import runtime_of
 
@@ -79,16 +79,9 @@ class Engine:
         self.model = model
         self.runtime = runtime_of(model)
         page_size = self.runtime.page_size if page_size is None else page_size
-        problems = []
-        if num_pages < 1:
-            problems.append(f"num_pages must be >= 1, got {num_pages}")
-        problems += page_size_problems(page_size, self.runtime.placement.size)
-        if max_tokens_per_step < 1:
-            problems.append(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
-        if cuda_graphs and torch.device(self.runtime.device).type != "cuda":
-            problems.append(f"cuda_graphs needs a model on CUDA, not {self.runtime.device}")
-        if compile and not cuda_graphs:
-            problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
+        problems = engine_problems(num_pages, page_size, self.runtime.placement.size,
+                                   max_tokens_per_step, max_rows, max_pages_per_row,
+                                   mixed_buckets, cuda_graphs, compile, self.runtime.device)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size
@@ -141,7 +134,8 @@ class Engine:
         (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
         ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
         Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
-        (``PositionLimitWarning``) of requests past ``max_position_embeddings``.
+        (``PositionLimitWarning``) of requests past ``max_position_embeddings``. A step that
+        raises (KeyboardInterrupt too) ends the call with that exception, every page returned.
         """
         token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
                                           pad_token_ids(self.model, tokenizer))
@@ -163,17 +157,22 @@ class Engine:
             scheduler.add(request)
         eos = frozenset(eos_token_ids)
         generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
-        with Progress(scheduler.waiting, show=progress) as bar:
-            while not scheduler.done:
-                prefilled, new, ended = self._step(scheduler, sampling, generators, eos)
-                bar.advance(prefilled, new)
-                for request, reason, error in ended:
-                    results[request.index] = Result(request.index, tuple(request.generated),
-                                                    reason, error=error)
-                    bar.stop(request)
-        if self._inflight is not None:  # launched for requests that then stopped at EOS
-            self._inflight.host_ids()
-            self._inflight = None
+        try:
+            with Progress(scheduler.waiting, show=progress) as bar:
+                while not scheduler.done:
+                    prefilled, new, ended = self._step(scheduler, sampling, generators, eos)
+                    bar.advance(prefilled, new)
+                    for request, reason, error in ended:
+                        results[request.index] = Result(request.index, tuple(request.generated),
+                                                        reason, error=error)
+                        bar.stop(request)
+            if self._inflight is not None:  # launched for requests that then stopped at EOS
+                self._inflight.host_ids()
+        except BaseException:  # KeyboardInterrupt too: the pool must be whole for the next run
+            scheduler.abort_all()
+            raise
+        finally:
+            self._ahead = self._inflight = None
         assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
         ordered = [results[i] for i in range(len(prompts))]
         return ordered if tokenizer is None else with_text(ordered, tokenizer)

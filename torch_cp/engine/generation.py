@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
-from torch_cp.engine.memory import default_num_pages, lifetime_pages
+from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
 from torch_cp.engine.requests import (
     Result,
     eos_ids,
@@ -14,6 +15,7 @@ from torch_cp.engine.requests import (
     pad_token_ids,
 )
 from torch_cp.engine.sampling import SamplingParams
+from torch_cp.placement import page_size_problems
 from torch_cp.runtime import runtime_of
 
 
@@ -23,7 +25,8 @@ def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], pag
     ``num_pages`` (default: every request's whole lifetime, capped by free memory) and captured
     buckets as wide as the longest request. ``engine_kwargs`` go to ``Engine``."""
     if num_pages is None:
-        num_pages = default_num_pages(runtime_of(model), prompts, news, page_size)
+        cap = memory_cap_pages(runtime_of(model), page_size)
+        num_pages = default_num_pages(prompts, news, page_size, cap)
     widest = max((lifetime_pages(p, n, page_size) for p, n in zip(prompts, news)), default=1)
     return Engine(model, num_pages, page_size, max_pages_per_row=min(widest, num_pages),
                   **engine_kwargs)
@@ -71,7 +74,9 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         attention_mask: the mask of padded ``input_ids`` given as ``prompts`` (1: a real
             token, 0: padding), the same shape as them.
         num_pages: logical pages of the pool (default: enough for every request's whole
-            lifetime; on CUDA at most 90% of free memory). Requests wait for pages.
+            lifetime, at most 90% of a GPU's free memory or half the host's on CPU; a request
+            whose lifetime alone exceeds that gets an error result and adds nothing to the
+            pool). Requests wait for pages.
         page_size: tokens per page (default: the one given to ``patch_model``).
         max_tokens_per_step: token budget of a step; longer prompts are prefilled in chunks.
         progress: on rank 0, one tqdm bar over prompt tokens prefilled and tokens generated,
@@ -94,8 +99,26 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
                                       pad_token_ids(model, tokenizer))
     news = new_tokens_per_request(max_new_tokens, len(token_prompts))
     page_size = runtime.page_size if page_size is None else page_size
-    engine = engine_for(model, token_prompts, [max(n, 1) for n in news], page_size, num_pages,
+    problems = page_size_problems(page_size, runtime.placement.size)
+    if problems:  # before the pool is sized with it
+        raise ValueError("; ".join(problems))
+    cap = memory_cap_pages(runtime, page_size) if num_pages is None else None
+    lives = [max(n, 1) for n in news]
+    if num_pages is None:
+        num_pages = default_num_pages(token_prompts, lives, page_size, cap)
+    engine = engine_for(model, token_prompts, lives, page_size, num_pages,
                         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
                         compile=compile, overlap_planning=overlap_planning, progress=progress)
     eos = eos_ids(model, eos_token_id, tokenizer)
-    return engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer)
+    results = engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer)
+    if cap is None:
+        return results
+    return [_never_fits(r, cap, page_size)
+            if not r.ok and lifetime_pages(p, n, page_size) > cap else r
+            for r, p, n in zip(results, token_prompts, lives)]
+
+
+def _never_fits(result: Result, cap: int, page_size: int) -> Result:
+    why = (f"; it can never fit: free memory holds a pool of at most {cap} pages "
+           f"({cap * page_size} tokens)")
+    return dataclasses.replace(result, error=result.error + why)

@@ -3,7 +3,10 @@ the pages a batch of requests needs."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 
 from torch_cp.placement import page_size_problems
 
@@ -72,12 +75,61 @@ def pool_bytes_per_page(runtime, page_size: int) -> int:
     return runtime.new_pool(1, page_size).bytes // 2  # one page plus the sink page
 
 
-def default_num_pages(runtime, prompts, news, page_size: int) -> int:
-    """Pages for every request's whole lifetime, capped by 90% of free memory on CUDA."""
-    need = sum(lifetime_pages(p, n, page_size) for p, n in zip(prompts, news))
-    need = max(need, 1)
+# Share of free host memory a default pool may take on CPU (activations, logits and the rest of
+# the process need the remainder); on CUDA 90% of the device's free memory.
+HOST_MEMORY_SHARE = 0.5
+DEVICE_MEMORY_SHARE = 0.9
+
+
+def free_host_bytes() -> int | None:
+    """Host memory free for a new allocation: Linux's MemAvailable (page cache counts as free),
+    else the POSIX free physical pages; ``None`` where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def memory_cap_pages(runtime, page_size: int) -> int | None:
+    """Most pages a default pool takes: a share of the free memory of the pool's device
+    (``DEVICE_MEMORY_SHARE`` of a GPU's, ``HOST_MEMORY_SHARE`` of the host's); ``None`` when
+    the free memory is unknown."""
     device = torch.device(runtime.device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        need = max(1, min(need, int(0.9 * free) // pool_bytes_per_page(runtime, page_size)))
-    return need
+        budget = int(DEVICE_MEMORY_SHARE * free)
+    else:
+        host = free_host_bytes()
+        if host is None:
+            return _agreed(None, runtime)
+        budget = int(HOST_MEMORY_SHARE * host)
+    return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
+
+
+def _agreed(cap: int | None, runtime) -> int | None:
+    """The smallest cap of every rank: ranks see different free memory, and pools of different
+    sizes would split their schedulers."""
+    if not (runtime.spans_ranks and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1):
+        return cap
+    unknown = 2**62
+    device = runtime.device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([unknown if cap is None else cap], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return None if int(t) == unknown else int(t)
+
+
+def default_num_pages(prompts, news, page_size: int, cap: int | None) -> int:
+    """Pages for every request's whole lifetime, at most ``cap`` (``memory_cap_pages``). A
+    request whose lifetime alone exceeds ``cap`` can never fit and adds nothing: a huge
+    ``max_new_tokens`` gets its error result without sizing the pool."""
+    lifetimes = [lifetime_pages(p, n, page_size) for p, n in zip(prompts, news)]
+    need = max(1, sum(n for n in lifetimes if cap is None or n <= cap))
+    return need if cap is None else min(need, cap)

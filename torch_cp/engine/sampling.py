@@ -10,6 +10,7 @@ TP all-reduce or a merge in another order), and one flipped argmax would split t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ class SamplingParams:
     """How the next token is chosen from a row's logits.
 
     Attributes:
-        temperature: 0 for greedy (argmax); otherwise logits are divided by it before sampling.
+        temperature: 0 for greedy (argmax); otherwise logits are divided by it before sampling
+            (exactly however small it is: see ``scaled_logits``).
         top_k: keep the k most likely tokens (``None``: all).
         top_p: keep the smallest set of most likely tokens whose probability reaches p
             (``None``: all).
@@ -39,8 +41,8 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
-        if not self.temperature >= 0.0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            problems.append(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             problems.append(f"top_k must be a positive int or None, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -74,6 +76,15 @@ def filter_logits(logits_bv: torch.Tensor, top_k: int | None, top_p: float | Non
     return out
 
 
+def scaled_logits(logits_bv: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` shifted so each row's largest is 0 ([B, V] float32): the same
+    softmax, and never inf or NaN however small the temperature (the largest logit stays 0 and
+    the others fall towards -inf, so the limit is greedy). The quotient is taken in float64:
+    a temperature below float32's range would round to 0 there."""
+    logits = logits_bv.to(torch.float64)
+    return ((logits - logits.amax(dim=-1, keepdim=True)) / temperature).to(torch.float32)
+
+
 def greedy_tokens(logits_bv: torch.Tensor) -> torch.Tensor:
     """[B] int64 argmax ids of [B, V] logits, on the logits' device (no host sync)."""
     return torch.argmax(logits_bv.detach().float(), dim=-1)
@@ -95,7 +106,8 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
     logits = logits_bv.detach().to(device="cpu", dtype=torch.float32)
     if generators is None or len(generators) != logits.shape[0]:
         raise ValueError("sampling with temperature > 0 needs one generator per row")
-    filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    filtered = filter_logits(scaled_logits(logits, params.temperature), params.top_k,
+                             params.top_p)
     probs = torch.softmax(filtered, dim=-1)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 

@@ -199,3 +199,11 @@ class Scheduler:
         request = self.running.pop(request_index)
         self.allocator.release(request_index)
         return request
+
+    def abort_all(self) -> None:
+        """Drop every request, running or waiting, and return their pages (a step failed)."""
+        for index in list(self.running):
+            self.abort(index)
+        self.waiting.clear()
+        for index in self.allocator.live_requests:  # interrupted between a pop and its release
+            self.allocator.release(index)

@@ -1,0 +1,225 @@
+"""Faults: a step that raises (forward error, out of memory, KeyboardInterrupt; in the model or in
+sampling; on a prefill chunk, a decode step or a step launched ahead) returns every page and
+leaves the engine as good as new; sampling at any temperature is exact; a request that can never
+fit is refused without sizing anything by it; bad ``Engine`` arguments are named together."""
+
+import sys
+import time
+
+import pytest
+import torch
+
+import torch_cp
+from torch_cp.engine import Engine, generation
+from torch_cp.engine import engine as engine_module
+from torch_cp.engine.sampling import SamplingParams, greedy_tokens, sample, scaled_logits
+from torch_cp.layers import decoder_layers
+
+PROMPTS = [[42], [200, 3, 150, 7, 99], list(range(1, 20)), [(7 * i) % 300 + 1 for i in range(40)]]
+NEW = 4
+ENGINE = dict(num_pages=12, page_size=8, max_tokens_per_step=16)  # 40 tokens: 3 chunks
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, seed=5)
+FAULTS = [RuntimeError, torch.OutOfMemoryError, KeyboardInterrupt]
+
+
+class Planted(Exception):
+    """Never raised by torch_cp: marks the wrapped call that failed."""
+
+
+def _tokens(results):
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """Tokens of a fresh engine: greedy and sampled, without and with overlap planning."""
+    out = {}
+    for overlap in (False, True):
+        for sampling in (SamplingParams(), SAMPLED):
+            engine = Engine(model, overlap_planning=overlap, **ENGINE)
+            out[overlap, sampling] = _tokens(engine.run(PROMPTS, NEW, sampling))
+    return out
+
+
+def _step_kind(engine) -> str:
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_overlap":
+            return "launched ahead"
+        frame = frame.f_back
+    return "prefill" if int(engine.cache.plan.q_lens.max()) > 1 else "decode"
+
+
+def _fail_on(monkeypatch, owner, name, engine, fault):
+    """Wrap ``owner.name`` to raise ``fault`` on its k-th call (``set(k)``; 0: never); returns
+    (set, the kinds of step each call ran in)."""
+    wrapped, calls, kinds, at = getattr(owner, name), [0], [], [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        kinds.append(_step_kind(engine))
+        if calls[0] == at[0]:
+            raise fault("planted fault")
+        return wrapped(*args, **kwargs)
+
+    def arm(k):
+        calls[0], at[0] = 0, k
+        kinds.clear()
+    monkeypatch.setattr(owner, name, wrapper)
+    return arm, kinds
+
+
+def _sites(model, sampling):
+    """Where a fault is planted: the last decoder layer (after layer 0 wrote the pool), and the
+    function that picks the tokens."""
+    picker = "greedy_tokens" if sampling.greedy else "sample"
+    return {"forward": (decoder_layers(model)[-1], "forward"), "sampling": (engine_module, picker)}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("site", ["forward", "sampling"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_failed_step_returns_every_page_and_the_next_run_is_unchanged(
+        model, expected, monkeypatch, overlap, site, sampling):
+    engine = Engine(model, overlap_planning=overlap, **ENGINE)
+    owner, name = _sites(model, sampling)[site]
+    fault = [RuntimeError]
+    arm, kinds = _fail_on(monkeypatch, owner, name, engine, lambda msg: fault[0](msg))
+    arm(0)
+    assert _tokens(engine.run(PROMPTS, NEW, sampling)) == expected[overlap, sampling]
+    calls, seen = len(kinds), set(kinds)
+    want = {"prefill", "decode"} | ({"launched ahead"} if overlap and sampling.greedy else set())
+    assert want <= seen, seen  # the faults below hit every kind of step
+    for k in range(1, calls + 1):
+        fault[0] = FAULTS[k % len(FAULTS)]
+        arm(k)
+        with pytest.raises(fault[0], match="planted fault"):
+            engine.run(PROMPTS, NEW, sampling)
+        assert engine.allocator.free_pages == engine.allocator.num_pages, (k, kinds[-1])
+        assert engine.allocator.live_requests == [], (k, kinds[-1])
+        arm(0)
+        assert _tokens(engine.run(PROMPTS, NEW, sampling)) == expected[overlap, sampling], k
+
+
+def test_every_kind_of_fault_is_re_raised_as_itself(model, expected, monkeypatch):
+    """Each fault on a decode step launched ahead: the same exception object reaches the caller
+    (KeyboardInterrupt is not swallowed or wrapped), and the engine runs on."""
+    engine = Engine(model, overlap_planning=True, **ENGINE)
+    layer = decoder_layers(model)[-1]
+    wrapped = layer.forward
+    for fault in FAULTS:
+        raised = fault("planted fault")
+        state = {"armed": True}
+
+        def failing(*args, raised=raised, state=state, **kwargs):
+            if state["armed"] and _step_kind(engine) == "launched ahead":
+                state["armed"] = False
+                raise raised
+            return wrapped(*args, **kwargs)
+        monkeypatch.setattr(layer, "forward", failing)
+        with pytest.raises(fault) as caught:
+            engine.run(PROMPTS, NEW)
+        assert caught.value is raised
+        assert engine.allocator.free_pages == engine.allocator.num_pages
+    monkeypatch.setattr(layer, "forward", wrapped)
+    assert _tokens(engine.run(PROMPTS, NEW)) == expected[True, SamplingParams()]
+
+
+# --- sampling at temperatures whose quotient overflows ---
+
+TINY_TEMPERATURES = [1e-3, 1e-20, 1e-38, 1e-45, 1e-300, 5e-324]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_a_tiny_temperature_samples_the_argmax(dtype, temperature):
+    """Logits up to 6e4 (bf16 / fp16 range) over a temperature down to the smallest float64:
+    logits / temperature overflows in float32 (and rounds the temperature to 0 below 1e-45);
+    the scaled logits stay finite at the top and sampling returns the argmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 64, generator=g) * 2e4).clamp(-6e4, 6e4).to(dtype)
+    assert len({tuple(row) for row in logits.float().topk(2).values.tolist()}) == 8
+    scaled = scaled_logits(logits, temperature)
+    assert not scaled.isnan().any() and (scaled <= 0).all()
+    assert (scaled.amax(-1) == 0).all()
+    params = SamplingParams(temperature=temperature, seed=1)
+    gens = [params.generator(i) for i in range(8)]
+    for _ in range(3):
+        assert torch.equal(sample(logits, params, gens), greedy_tokens(logits).cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 3.0, 1e6])
+def test_scaled_logits_give_the_softmax_of_logits_over_temperature(dtype, temperature):
+    """Against a float64 reference softmax(logits / temperature)."""
+    logits = (torch.randn(4, 100, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    want = torch.softmax(logits.double() / temperature, dim=-1)
+    got = torch.softmax(scaled_logits(logits, temperature), dim=-1).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_temperatures_that_are_not_finite_are_refused():
+    for bad in (float("inf"), float("nan"), -1e-30):
+        with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+            SamplingParams(temperature=bad)
+
+
+# --- a request that can never fit ---
+
+def test_a_huge_max_new_tokens_gets_its_error_without_sizing_the_pool(model, monkeypatch):
+    built = []
+
+    class Recorded(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+    monkeypatch.setattr(generation, "Engine", Recorded)
+    prompts = PROMPTS[:3]
+    began = time.perf_counter()
+    results = torch_cp.generate(model, prompts, [NEW, 10**12, NEW], progress=False)
+    elapsed = time.perf_counter() - began
+    assert not results[1].ok and "can never fit" in results[1].error, results[1].error
+    assert results[1].token_ids == ()
+    (engine,) = built
+    alone = torch_cp.generate(model, [prompts[0], prompts[2]], NEW, progress=False)
+    assert [results[0].token_ids, results[2].token_ids] == _tokens(alone)
+    # The pool holds the two other requests' lifetimes and nothing more.
+    page = engine.page_size
+    pages = sum(-(-(len(p) + NEW - 1) // page) for p in (prompts[0], prompts[2]))
+    assert engine.allocator.num_pages == pages
+    assert engine.kv_bytes == model.torch_cp.new_pool(pages, page).bytes < 2**20
+    assert elapsed < 10
+
+
+def test_the_default_pool_is_capped_by_free_host_memory(model, monkeypatch):
+    """With 256 KiB free, the pool takes half of it; a request longer than that can never fit,
+    one that fits waits for pages."""
+    from torch_cp.engine import memory
+
+    monkeypatch.setattr(memory, "free_host_bytes", lambda: 2**18)
+    per_page = memory.pool_bytes_per_page(model.torch_cp, 16)
+    cap = 2**17 // per_page
+    long = [1] * (cap * 16 - 5)
+    results = torch_cp.generate(model, [[5, 6], long, [7] * (cap * 16 + 1)], 4, progress=False)
+    assert [r.ok for r in results] == [True, True, False]
+    assert f"at most {cap} pages" in results[2].error
+
+
+# --- Engine arguments ---
+
+def test_every_bad_engine_argument_is_named_at_once_before_allocation(model, monkeypatch):
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a pool was allocated before the arguments were checked")
+    monkeypatch.setattr(model.torch_cp, "new_pool", no_pool)
+    with pytest.raises(ValueError) as e:
+        Engine(model, num_pages=0, page_size=-8, max_tokens_per_step=0, max_rows=0,
+               max_pages_per_row=-1, mixed_buckets=[(4, 2), (0, 8), "x"])
+    msg = str(e.value)
+    for name in ("num_pages", "page_size", "max_tokens_per_step", "max_rows",
+                 "max_pages_per_row", "(4, 2)", "(0, 8)", "('x',)"):
+        assert name in msg, (name, msg)
+    with pytest.raises(ValueError, match="mixed_buckets .* need cuda_graphs"):
+        Engine(model, num_pages=4, mixed_buckets=[(2, 8)])
+    with pytest.raises(ValueError, match="num_pages must be a positive int, got 2.5"):
+        Engine(model, num_pages=2.5)

@@ -1,0 +1,48 @@
+"""Checks of an ``Engine``'s arguments, made before anything is allocated (every problem named)."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_cp.placement import page_size_problems
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _bucket_problems(mixed_buckets) -> list[str]:
+    """Why ``mixed_buckets`` are not (rows, tokens) shapes with tokens > rows >= 1."""
+    try:
+        shapes = [tuple(b) for b in mixed_buckets]
+    except TypeError:
+        return [f"mixed_buckets must be (rows, tokens) pairs, got {mixed_buckets!r}"]
+    bad = [s for s in shapes
+           if len(s) != 2 or not all(_positive_int(x) for x in s) or not s[0] < s[1]]
+    return [f"mixed bucket {s!r} is not (rows, tokens) with ints tokens > rows >= 1" for s in bad]
+
+
+def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, max_rows,
+                    max_pages_per_row, mixed_buckets, cuda_graphs: bool, compile: bool,
+                    device) -> list[str]:
+    """Every problem with ``Engine``'s arguments (see its docstring); empty when none."""
+    problems = []
+    if not _positive_int(num_pages):
+        problems.append(f"num_pages must be a positive int, got {num_pages!r}")
+    problems += page_size_problems(page_size, partners)
+    if not _positive_int(max_tokens_per_step):
+        problems.append(f"max_tokens_per_step must be a positive int, got {max_tokens_per_step!r}")
+    if max_rows is not None and not _positive_int(max_rows):
+        problems.append(f"max_rows must be a positive int or None, got {max_rows!r}")
+    if max_pages_per_row is not None and not _positive_int(max_pages_per_row):
+        problems.append(
+            f"max_pages_per_row must be a positive int or None, got {max_pages_per_row!r}")
+    buckets = _bucket_problems(mixed_buckets)
+    problems += buckets
+    if not buckets and mixed_buckets and not cuda_graphs:
+        problems.append("mixed_buckets are captured shapes: they need cuda_graphs=True")
+    if cuda_graphs and torch.device(device).type != "cuda":
+        problems.append(f"cuda_graphs needs a model on CUDA, not {device}")
+    if compile and not cuda_graphs:
+        problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
+    return problems
