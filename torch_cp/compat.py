@@ -1,7 +1,8 @@
 """Every private PyTorch and transformers hook torch_cp relies on, in one place.
 
-Each is an attribute or signature a release may change without notice; ``tests/project/test_compat.py``
-checks them against the installed versions and fails loudly, naming the hook, when one moves.
+Each is an attribute or signature a release may change without notice;
+``tests/project/test_compat.py`` checks them against the installed versions and fails loudly,
+naming the hook, when one moves.
 
 - ``nn.Module._compiled_call_impl`` and ``_call_impl``: what ``nn.Module.compile()`` sets (the
   compiled ``_call_impl``) and ``__call__`` then runs; set per decoder layer for regional

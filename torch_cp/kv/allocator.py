@@ -49,10 +49,29 @@ class PageAllocator:
         """Grow ``request_id``'s table to hold ``num_tokens`` tokens; False (and no change) if
         the free pages cannot."""
         missing = self.missing_pages(request_id, num_tokens)
-        if missing > len(self._free):
+        if missing > self.free_pages:
             return False
+        self._extend(request_id, self._take(missing))
+        return True
+
+    def release(self, request_id) -> None:
+        """Return every page of ``request_id`` to the free list (a no-op for unknown ids)."""
+        self._give_back(self._tables.pop(request_id, []))
+        self._arrays.pop(request_id, None)
+
+    @property
+    def live_requests(self) -> list:
+        return list(self._tables)
+
+    # Hooks a caching allocator overrides: where pages come from and where they go back.
+    def _take(self, count: int) -> list[int]:
+        return [self._free.popleft() for _ in range(count)]
+
+    def _give_back(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def _extend(self, request_id, new: list[int]) -> None:
         table = self._tables.setdefault(request_id, [])
-        new = [self._free.popleft() for _ in range(missing)]
         table.extend(new)
         if new:
             array = self._arrays.get(request_id)
@@ -63,13 +82,3 @@ class PageAllocator:
                     grown[:len(table) - len(new)] = array[:len(table) - len(new)]
                 array = self._arrays[request_id] = grown
             array[len(table) - len(new):len(table)] = torch.tensor(new, dtype=torch.int64)
-        return True
-
-    def release(self, request_id) -> None:
-        """Return every page of ``request_id`` to the free list (a no-op for unknown ids)."""
-        self._free.extend(self._tables.pop(request_id, []))
-        self._arrays.pop(request_id, None)
-
-    @property
-    def live_requests(self) -> list:
-        return list(self._tables)

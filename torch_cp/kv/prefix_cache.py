@@ -1,0 +1,205 @@
+"""Prefix caching over logical pages: full pages keyed by a hash chain over their tokens,
+shared by reference count, kept after release until pool pressure evicts them (least recently
+used first).
+
+A page's key digests (its parent page's key, its token ids), so equal keys mean equal tokens
+from the sequence's first token on, hence equal KV. Keys are blake2b digests, not Python's
+``hash`` (salted per process), and page ids stay logical, so every partner holding a stripe of
+the same pages decides the same by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torch_cp.kv.allocator import PageAllocator
+
+_ROOT = b""
+
+
+def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The cache key of a full page: a 16-byte blake2b digest of its parent's key and its token
+    ids as little-endian int64 (the same on every process and machine)."""
+    data = array("q", tokens)
+    if sys.byteorder == "big":
+        data.byteswap()
+    return hashlib.blake2b(parent + data.tobytes(), digest_size=16).digest()
+
+
+def page_keys(tokens: Sequence[int], page_size: int, start: int = 0,
+              parent: bytes = _ROOT) -> list[bytes]:
+    """Keys of the full pages ``start, start + 1, ...`` of ``tokens`` (``parent``: the key of
+    page ``start - 1``)."""
+    keys = []
+    for page in range(start, len(tokens) // page_size):
+        parent = page_key(parent, tokens[page * page_size:(page + 1) * page_size])
+        keys.append(parent)
+    return keys
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """A snapshot for tests and partner checks: the free list in order, the evictable cached
+    pages least recently used first, and every page's reference count and key (None: uncached)."""
+
+    free: tuple[int, ...]
+    evictable: tuple[int, ...]
+    refcounts: tuple[int, ...]
+    keys: tuple[bytes | None, ...]
+    tables: tuple[tuple[object, tuple[int, ...]], ...]
+
+
+def _ids(tokens) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
+class PrefixCachingAllocator(PageAllocator):
+    """A ``PageAllocator`` whose full pages outlive their request as a prefix cache.
+
+    A page is in exactly one state: free (on the free list), held (reference count >= 1: that
+    many live tables hold it), or evictable (cached, count 0). ``free_pages`` counts free plus
+    evictable pages, since ``reserve`` takes free pages first and then evicts the least recently
+    released cached ones; it still answers False, changing nothing, when both cannot cover it.
+
+    Use: ``admit(request, prompt)`` first (shares the longest cached prefix and returns how many
+    prompt tokens need no prefill), then ``reserve`` as usual, and ``register(request, tokens)``
+    after a step has written the KV of ``tokens`` so that later requests can share its full pages.
+    The first ``read_only_pages(request)`` pages of a table are cached and must never be written.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        super().__init__(num_pages, page_size)
+        self._refs = [0] * num_pages
+        self._key_of: list[bytes | None] = [None] * num_pages
+        self._page_of: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
+        self._keys: dict[object, list[bytes]] = {}  # each request's chain over its full pages
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    @property
+    def evictable_pages(self) -> int:
+        """Cached pages no live request holds (counted in ``free_pages``)."""
+        return len(self._lru)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def lookup(self, prompt, max_cached_tokens: int | None = None) -> list[int]:
+        """The cached pages ``admit`` would share for ``prompt`` (changes nothing).
+
+        Only pages wholly inside ``prompt[:-1]`` count: the prompt's last token is always
+        computed (its logits pick the first new token) and it must not land in a shared page,
+        so a fully cached, page-aligned prompt recomputes its last page. ``max_cached_tokens``
+        caps the match further (a hybrid model reuses a prefix only where it has a state
+        checkpoint)."""
+        return self._match(_ids(prompt), max_cached_tokens)[0]
+
+    def admission_pages(self, prompt, num_tokens: int,
+                        max_cached_tokens: int | None = None) -> int:
+        """How much ``free_pages`` drops if ``admit(prompt)`` then ``reserve(num_tokens)``
+        succeed: the pages to allocate, plus the shared pages that stop being evictable."""
+        shared = self.lookup(prompt, max_cached_tokens)
+        taken = sum(1 for page in shared if self._refs[page] == 0)
+        return max(0, self.pages_for(num_tokens) - len(shared)) + taken
+
+    def admit(self, request_id, prompt, max_cached_tokens: int | None = None) -> int:
+        """Start ``request_id``'s table with the longest cached prefix of ``prompt``'s full
+        pages (see ``lookup``) and return the number of prompt tokens cached: a multiple of
+        ``page_size``, at most ``len(prompt) - 1``. Allocates nothing; ``reserve`` does."""
+        if request_id in self._tables:
+            raise ValueError(f"admit({request_id!r}): the request already holds pages")
+        shared, keys = self._match(_ids(prompt), max_cached_tokens)
+        for page in shared:
+            if self._refs[page] == 0:
+                del self._lru[page]
+            self._refs[page] += 1
+        self._tables[request_id] = []
+        self._extend(request_id, shared)
+        self._keys[request_id] = keys
+        return len(shared) * self.page_size
+
+    def register(self, request_id, tokens) -> int:
+        """Cache the full pages of ``request_id`` whose KV now holds ``tokens`` (its sequence so
+        far: prompt, then generated tokens; pages already registered are skipped). A page whose
+        key another page already holds stays uncached (it is freed on release). Returns the
+        number of read-only pages; 0, changing nothing, for a request that holds no pages (one
+        released while its step was in flight)."""
+        if request_id not in self._tables:
+            return 0
+        tokens = _ids(tokens)
+        keys = self._keys.setdefault(request_id, [])
+        table = self.table(request_id)
+        if len(tokens) // self.page_size > len(table):
+            raise ValueError(f"register({request_id!r}): {len(tokens)} tokens but the table "
+                             f"holds {len(table)} pages of {self.page_size}")
+        parent = keys[-1] if keys else _ROOT
+        for key in page_keys(tokens, self.page_size, len(keys), parent):
+            page = table[len(keys)]
+            if key not in self._page_of:
+                self._page_of[key] = page
+                self._key_of[page] = key
+            keys.append(key)
+        return len(keys)
+
+    def read_only_pages(self, request_id) -> int:
+        """The number of leading pages of ``request_id``'s table that are full and registered
+        (shared at admission or cached since): no write may land there."""
+        return len(self._keys.get(request_id, []))
+
+    def state(self) -> CacheState:
+        return CacheState(tuple(self._free), tuple(self._lru), tuple(self._refs),
+                          tuple(self._key_of),
+                          tuple((r, tuple(t)) for r, t in self._tables.items()))
+
+    def release(self, request_id) -> None:
+        self._keys.pop(request_id, None)
+        super().release(request_id)
+
+    def _match(self, prompt: list[int], max_cached_tokens: int | None):
+        limit = max(0, len(prompt) - 1)
+        if max_cached_tokens is not None:
+            limit = min(limit, max_cached_tokens)
+        shared, keys, parent = [], [], _ROOT
+        for page in range(limit // self.page_size):
+            key = page_key(parent, prompt[page * self.page_size:(page + 1) * self.page_size])
+            if key not in self._page_of:
+                break
+            shared.append(self._page_of[key])
+            keys.append(key)
+            parent = key
+        return shared, keys
+
+    def _take(self, count: int) -> list[int]:
+        pages = [self._free.popleft() for _ in range(min(count, len(self._free)))]
+        while len(pages) < count:
+            page, _ = self._lru.popitem(last=False)
+            del self._page_of[self._key_of[page]]
+            self._key_of[page] = None
+            pages.append(page)
+        for page in pages:
+            self._refs[page] = 1
+        return pages
+
+    def _give_back(self, pages: list[int]) -> None:
+        # The last pages of a chain are the least useful (a match needs every page before), so
+        # they enter the LRU first and go first.
+        freed = []
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] > 0:
+                continue
+            if self._key_of[page] is None:
+                freed.append(page)
+            else:
+                self._lru[page] = None
+        self._free.extend(reversed(freed))
