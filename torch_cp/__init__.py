@@ -26,7 +26,7 @@ from torch_cp.hf import (
     patch_model,
     unpatch_model,
 )
-from torch_cp.kv import GQAPool, MLAPool, PageAllocator
+from torch_cp.kv import GQAPool, MLAPool, PageAllocator, PrefixCachingAllocator
 from torch_cp.mesh import init_mesh, kv_head_replicas, partner_placement
 from torch_cp.placement import ContextParallel
 from torch_cp.plan import Bucket, StepPlan, StepRefused, build_step_plan
@@ -47,6 +47,7 @@ __all__ = [
     "PageAllocator",
     "PagedKVCache",
     "Partial",
+    "PrefixCachingAllocator",
     "Result",
     "SamplingParams",
     "StepPlan",

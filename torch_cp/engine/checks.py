@@ -24,7 +24,7 @@ def _bucket_problems(mixed_buckets) -> list[str]:
 
 def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, max_rows,
                     max_pages_per_row, mixed_buckets, cuda_graphs: bool, compile: bool,
-                    device) -> list[str]:
+                    device, prefix_caching=False) -> list[str]:
     """Every problem with ``Engine``'s arguments (see its docstring); empty when none."""
     problems = []
     if not _positive_int(num_pages):
@@ -45,4 +45,6 @@ def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, ma
         problems.append(f"cuda_graphs needs a model on CUDA, not {device}")
     if compile and not cuda_graphs:
         problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
+    if not isinstance(prefix_caching, bool):
+        problems.append(f"prefix_caching must be True or False, got {prefix_caching!r}")
     return problems

@@ -15,9 +15,9 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
+from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.checks import engine_problems
 from torch_cp.engine.feedback import Progress, status, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
@@ -30,10 +30,11 @@ from torch_cp.engine.requests import (
     with_text,
 )
 from torch_cp.engine.sampling import SamplingParams, broadcast_from_rank0, greedy_tokens, sample
-from torch_cp.engine.scheduler import Row, Scheduler
+from torch_cp.engine.scheduler import Row, Scheduler, writes_shared_page
 from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, row_key
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
+from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
 from torch_cp.runtime import runtime_of
 
@@ -69,31 +70,40 @@ class Engine:
             either way.
         progress: print a line (rank 0, stderr) while CUDA graphs are captured and layers
             compiled.
+        prefix_caching: keep the KV of full pages after their request ends (keyed by a hash
+            chain from the first token) so that later requests sharing that prefix, in this or
+            a later ``run``, skip its prefill; cached pages no request holds are evicted, least
+            recently used first, when the pool needs them. Tokens are the same either way.
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
                  max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, max_rows: int | None = None,
                  cuda_graphs: bool = False, max_pages_per_row: int | None = None,
                  mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False,
-                 overlap_planning: bool = False, progress: bool = False):
+                 overlap_planning: bool = False, progress: bool = False,
+                 prefix_caching: bool = False):
         self.model = model
         self.runtime = runtime_of(model)
         page_size = self.runtime.page_size if page_size is None else page_size
         problems = engine_problems(num_pages, page_size, self.runtime.placement.size,
                                    max_tokens_per_step, max_rows, max_pages_per_row,
-                                   mixed_buckets, cuda_graphs, compile, self.runtime.device)
+                                   mixed_buckets, cuda_graphs, compile, self.runtime.device,
+                                   prefix_caching)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
         self.max_rows = max_rows
-        self.allocator = PageAllocator(num_pages, page_size)
+        self.allocator = (PrefixCachingAllocator if prefix_caching else PageAllocator)(
+            num_pages, page_size)
         self.pool = self.runtime.new_pool(num_pages, page_size)
         self.cache = PagedKVCache(self.runtime, self.pool)
         self.broadcast = (self.runtime.spans_ranks and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() > 1)
         self.overlap_planning = overlap_planning
         self.steps = 0
+        self.prefilled_tokens = 0  # prompt tokens the model ran (prefix-cached ones excluded)
+        self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.replayed_steps = 0
         self.planned_ahead_steps = 0  # steps launched from a plan made during the previous one
         self.launched_ahead_steps = 0  # ... and launched before its tokens reached the host
@@ -160,8 +170,11 @@ class Engine:
         try:
             with Progress(scheduler.waiting, show=progress) as bar:
                 while not scheduler.done:
+                    reused = scheduler.reused_tokens
                     prefilled, new, ended = self._step(scheduler, sampling, generators, eos)
-                    bar.advance(prefilled, new)
+                    self.prefilled_tokens += prefilled
+                    self.reused_tokens += scheduler.reused_tokens - reused
+                    bar.advance(prefilled + scheduler.reused_tokens - reused, new)
                     for request, reason, error in ended:
                         results[request.index] = Result(request.index, tuple(request.generated),
                                                         reason, error=error)
@@ -244,6 +257,7 @@ class Engine:
             self._announce_compile = False
             status("compiling the decoder layers for steps outside the captured buckets (a "
                    "long prefill; once)", self._announce)
+        assert not writes_shared_page(self.allocator, rows), "a step writes a cached page"
         sampled = [b for b, r in enumerate(rows) if r.samples]
         launched = LaunchedStep(rows, sampled, self.launcher.launch(step, ids, sampled))
         self.replayed_steps += step.plan.bucket is not None
@@ -266,15 +280,7 @@ class Engine:
         if current.device_ids is None:
             self._ahead = step  # launched once the host has sampled current's tokens
             return
-        at = {current.rows[b].request: i for i, b in enumerate(current.sampled)}
-        index = [at[r.request] for r in following]
-        ids = current.device_ids
-        if index != list(range(len(ids))):  # some requests end with current's token
-            index_host = torch.tensor(index)
-            if ids.is_cuda:  # pinned, so the copy does not wait for the running step
-                index_host = index_host.pin_memory()
-            ids = ids[index_host.to(ids.device, non_blocking=True)]
-        self._inflight = self._launch(step, following, ids, sampling)
+        self._inflight = self._launch(step, following, ahead_ids(current, following), sampling)
         self.planned_ahead_steps += 1
         self.launched_ahead_steps += 1
 
@@ -289,4 +295,3 @@ class Engine:
             tokens = sample(step.logits, sampling, [generators[r.request] for r in rows])
             ids = (broadcast_from_rank0(tokens) if self.broadcast else tokens).tolist()
         return {step.rows[b].request: t for b, t in zip(step.sampled, ids)}
-

@@ -38,7 +38,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
              attention_mask=None, num_pages: int | None = None, page_size: int | None = None,
              max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, progress: bool = True,
              cuda_graphs: bool = False, compile: bool = False,
-             overlap_planning: bool = False) -> list[Result]:
+             overlap_planning: bool = False, prefix_caching: bool = False) -> list[Result]:
     """Generate continuations of ``prompts`` with a patched model.
 
     Call it on every rank of the model's mesh with the same arguments (lockstep).
@@ -84,6 +84,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         cuda_graphs: replay decode steps from CUDA graphs captured per batch-size bucket (CUDA;
             captured before the first step, with page tables as wide as the longest request).
         compile, overlap_planning: see ``Engine``.
+        prefix_caching: prompts sharing a prefix of full pages prefill it once (see
+            ``Engine``); the tokens are the same.
     Returns:
         One ``Result`` per prompt, in order. A bad request (empty prompt, ids outside the
         vocabulary, more tokens than the pool can ever hold, max_new_tokens <= 0) gets
@@ -108,7 +110,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         num_pages = default_num_pages(token_prompts, lives, page_size, cap)
     engine = engine_for(model, token_prompts, lives, page_size, num_pages,
                         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
-                        compile=compile, overlap_planning=overlap_planning, progress=progress)
+                        compile=compile, overlap_planning=overlap_planning, progress=progress,
+                        prefix_caching=prefix_caching)
     eos = eos_ids(model, eos_token_id, tokenizer)
     results = engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer)
     if cap is None:

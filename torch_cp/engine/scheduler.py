@@ -9,6 +9,12 @@ already promised to admitted requests for their remaining growth, cover its whol
 every running request has a row in every step the token budget allows). Pages are then taken as
 rows grow, so an admitted request can always run to its end and nothing ever needs preempting; a
 request that does not fit waits (first come, first served) and none is dropped.
+
+With a ``PrefixCachingAllocator`` a request is admitted through ``admit``: its table starts with
+the cached pages of its prompt's longest cached prefix, it starts with those tokens ``cached``
+(only the rest is prefilled), and its admission is charged ``admission_pages`` (the pages it
+allocates plus the shared pages that stop being evictable), so the same promise holds. After a
+step commits, the full pages it wrote are registered for later requests to share.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from torch_cp.kv.allocator import PageAllocator
+from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 
 
 @dataclass
@@ -87,6 +94,8 @@ class Scheduler:
         self.max_rows = max_rows
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # in admission order
+        self.caching = isinstance(allocator, PrefixCachingAllocator)
+        self.reused_tokens = 0  # prompt tokens admitted with their KV already cached
 
     def fits_ever(self, request: Request) -> bool:
         """Whether the empty pool could hold the request's whole lifetime."""
@@ -112,14 +121,26 @@ class Scheduler:
         those promised)."""
         if not self.waiting or (self.max_rows is not None and len(self.running) >= self.max_rows):
             return False
-        return self.allocator.pages_for(self.waiting[0].lifetime_tokens) <= available_pages
+        return self._admission_pages(self.waiting[0]) <= available_pages
+
+    def _admission_pages(self, request: Request) -> int:
+        """How much admitting ``request`` lowers free pages less promised pages."""
+        if self.caching:
+            return self.allocator.admission_pages(request.prompt, request.lifetime_tokens)
+        return self.allocator.pages_for(request.lifetime_tokens)
 
     def _admit(self) -> None:
-        available = self.allocator.free_pages - self._promised_pages()
+        a = self.allocator
+        available = a.free_pages - self._promised_pages()
         while self._head_fits(available):
             request = self.waiting.popleft()
+            free = a.free_pages
+            if self.caching:  # shares the cached prefix: only the rest is prefilled
+                request.cached = a.admit(request.index, request.prompt)
+                self.reused_tokens += request.cached
             self.running[request.index] = request
-            available -= self.allocator.pages_for(request.lifetime_tokens)
+            available -= free - a.free_pages + a.missing_pages(request.index,
+                                                                 request.lifetime_tokens)
 
     def schedule(self, max_rows: int | None = None, max_tokens: int | None = None) -> list[Row]:
         """The next step's rows (empty only when nothing is left to run).
@@ -173,7 +194,8 @@ class Scheduler:
 
     def commit(self, rows: list[Row], new_tokens: dict[int, int],
                eos_token_ids: frozenset[int]) -> list[tuple[Request, str]]:
-        """Record a step: rows' tokens are cached, sampled tokens appended.
+        """Record a step: rows' tokens are cached, sampled tokens appended (with prefix
+        caching, the full pages the step completed are registered).
 
         Returns the requests that finished, with ``"eos"`` or ``"length"``; their pages are free.
         """
@@ -182,6 +204,9 @@ class Scheduler:
             request = self.running[row.request]
             assert row.start == request.cached
             request.cached += row.length
+            if self.caching and (request.cached // self.allocator.page_size
+                                 > self.allocator.read_only_pages(row.request)):
+                self.allocator.register(row.request, request.tokens[:request.cached])
             if not row.samples:
                 continue
             token = new_tokens[row.request]
@@ -207,3 +232,10 @@ class Scheduler:
         self.waiting.clear()
         for index in self.allocator.live_requests:  # interrupted between a pop and its release
             self.allocator.release(index)
+
+
+def writes_shared_page(allocator: PageAllocator, rows: list[Row]) -> bool:
+    """Whether a row of ``rows`` would write into a cached page (read-only: another request
+    may share it)."""
+    return isinstance(allocator, PrefixCachingAllocator) and any(
+        r.start < allocator.read_only_pages(r.request) * allocator.page_size for r in rows)

@@ -1,0 +1,243 @@
+"""Prefix caching in the engine (``Engine(..., prefix_caching=True)``, ``generate(...,
+prefix_caching=True)``): prompts sharing a prefix longer than several pages, with distinct
+suffixes, give the tokens of an engine without caching and of the unpatched model, in one run and
+across two runs of one engine (the cache persists), with chunked prefill and a pool tight enough
+that cached pages are evicted; a later request starts after its cached prefix (fewer prompt
+tokens run through the model), no step writes a cached page, and every page returns. The
+scheduler's admission promises hold with caching (a hypothesis test driving the scheduler alone),
+and at P = 2 (TP and SP modes, gloo) tokens with caching equal tokens without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multirank import run_ranks
+
+import torch_cp
+from torch_cp.engine import Engine
+from torch_cp.engine.scheduler import Request, Row, Scheduler, writes_shared_page
+from torch_cp.kv import PrefixCachingAllocator
+from torch_cp.mesh import init_mesh
+from torch_cp.tiny import tiny_qwen3
+
+PAGE = 4
+PREFIX = [(7 * i) % 300 + 1 for i in range(22)]  # five full pages inside every prompt[:-1]
+SUFFIXES = [[200], [201, 5], [202, 6, 7], [203, 8, 9, 10, 11, 12], [204, 13]]
+PROMPTS = [PREFIX + s for s in SUFFIXES]
+NEW = 5
+PAGES = 12  # a lifetime is 6 to 8 pages: one or two requests at a time, cached pages evicted
+BUDGET = 7  # tokens a step: prompts prefill in chunks
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of the unpatched model, one prompt at a time."""
+    model = tiny_qwen3()
+    return [tuple(model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long)
+                                 )[0, len(p):].tolist()) for p in PROMPTS]
+
+
+def _watch(engine):
+    """Record each planned step's rows, and count the cached pages evicted (pages a reserve
+    took beyond the free list)."""
+    rows, evicted = [], [0]
+    plan, reserve, alloc = engine.launcher.plan, engine.allocator.reserve, engine.allocator
+
+    def planned(step_rows, tables):
+        rows.append(list(step_rows))
+        return plan(step_rows, tables)
+
+    def reserved(request, num_tokens):
+        free_list = alloc.free_pages - alloc.evictable_pages
+        missing = alloc.missing_pages(request, num_tokens)
+        ok = reserve(request, num_tokens)
+        evicted[0] += ok and max(0, missing - free_list)
+        return ok
+    engine.launcher.plan, alloc.reserve = planned, reserved
+    return rows, evicted
+
+
+def _prefilled(rows) -> int:
+    """Prompt tokens the steps ran (from their rows: independent of the engine's count)."""
+    return sum(max(0, min(r.start + r.length, len(PROMPTS[r.request])) - r.start)
+               for step in rows for r in step)
+
+
+def _starts(rows) -> list[int]:
+    """Each request's first row start: the prompt tokens it found cached."""
+    first = {}
+    for step in rows:
+        for r in step:
+            first.setdefault(r.request, r.start)
+    return [first[i] for i in range(len(PROMPTS))]
+
+
+def test_caching_keeps_tokens_in_one_run_and_across_runs(model, reference):
+    plain = Engine(model, PAGES, PAGE, BUDGET)
+    without = [r.token_ids for r in plain.run(PROMPTS, NEW)]
+    engine = Engine(model, PAGES, PAGE, BUDGET, prefix_caching=True)
+    rows, evicted = _watch(engine)
+    first = [r.token_ids for r in engine.run(PROMPTS, NEW)]
+    first_rows, rows[:] = list(rows), []
+    second = [r.token_ids for r in engine.run(PROMPTS, NEW)]
+    assert without == reference
+    assert first == reference, "sharing within one run"
+    assert second == reference, "sharing what an earlier run cached"
+    assert evicted[0] > 0, "the pool is tight enough to evict cached pages"
+    assert engine.allocator.free_pages == PAGES and engine.allocator.live_requests == []
+    assert engine.allocator.evictable_pages > 0, "the cache outlives the run"
+
+    total = sum(len(p) for p in PROMPTS)
+    starts1, starts2 = _starts(first_rows), _starts(rows)
+    assert _prefilled(first_rows) == total - sum(starts1) < total
+    assert _prefilled(rows) == total - sum(starts2) < _prefilled(first_rows)
+    assert engine.prefilled_tokens == _prefilled(first_rows) + _prefilled(rows)
+    assert engine.reused_tokens == sum(starts1) + sum(starts2)
+    assert starts1[0] == 0 and all(s >= 20 for s in starts1[2:]), starts1
+    assert all(s >= 20 for s in starts2), starts2  # the shared prefix: 5 pages of 4
+    assert all(s % PAGE == 0 and s < len(p) for s, p in zip(starts1 + starts2, PROMPTS * 2))
+
+
+def test_caching_with_steps_launched_ahead_keeps_tokens(model, reference):
+    engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True, prefix_caching=True)
+    for _ in range(2):
+        assert [r.token_ids for r in engine.run(PROMPTS, NEW)] == reference
+    assert engine.launched_ahead_steps > 0 and engine.reused_tokens > 0
+    assert engine.allocator.free_pages == PAGES and engine.allocator.live_requests == []
+
+
+def test_generate_with_prefix_caching(model, reference):
+    results = torch_cp.generate(model, PROMPTS, NEW, page_size=PAGE, max_tokens_per_step=BUDGET,
+                                num_pages=PAGES, progress=False, prefix_caching=True)
+    assert [r.token_ids for r in results] == reference
+
+
+def test_engine_refuses_a_non_bool_prefix_caching_with_the_other_problems(model):
+    with pytest.raises(ValueError, match="num_pages.*prefix_caching must be True or False"):
+        Engine(model, 0, PAGE, prefix_caching="yes")
+
+
+def test_a_row_into_a_cached_page_is_caught():
+    alloc = PrefixCachingAllocator(8, PAGE)
+    prompt = list(range(1, 11))
+    assert alloc.admit(0, prompt) == 0 and alloc.reserve(0, 10)
+    assert alloc.register(0, prompt) == 2
+    alloc.release(0)
+    assert alloc.admit(1, prompt) == 8 and alloc.reserve(1, 10)
+    assert not writes_shared_page(alloc, [Row(1, 8, 2, True)])
+    assert writes_shared_page(alloc, [Row(1, 4, 6, True)])
+
+
+def test_a_failed_reserve_after_admit_is_undone_by_release():
+    alloc = PrefixCachingAllocator(4, PAGE)
+    prompt = list(range(1, 11))
+    alloc.admit(0, prompt)
+    assert alloc.reserve(0, 10)
+    alloc.register(0, prompt)
+    alloc.release(0)
+    before = alloc.state()
+    assert alloc.admit(1, prompt) == 8
+    assert not alloc.reserve(1, 20), "5 pages of a pool of 4"
+    alloc.release(1)
+    assert alloc.state() == before and alloc.free_pages == 4
+
+
+# The scheduler alone, through the engine's protocol, with caching: promises are kept.
+EOS, TOKEN = 9, 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.integers(1, 8),
+                                   st.integers(0, 6)), min_size=1, max_size=7),
+       page_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 4), budget=st.integers(1, 12),
+       max_rows=st.sampled_from([None, 1, 2, 3]), seed=st.integers(0, 2**16))
+def test_admission_with_caching_keeps_every_promise(requests, page_size, spare, budget,
+                                                    max_rows, seed):
+    """Requests (family of shared prefix, suffix length, max_new_tokens, arrival step); EOS
+    when a token is 0 mod 7 of the fake stream; retries and foreseen steps at random."""
+    import random
+
+    rng = random.Random(seed)
+    families = [[1 + (f * 5 + k) % 11 for k in range(9)] for f in range(3)]
+    prompts = [families[f][:3 + n % 7] + [20 + i] * (n // 3) for i, (f, n, _, _) in
+               enumerate(requests)]
+    need = max(-(-(len(p) + r[2] - 1) // page_size) for p, r in zip(prompts, requests))
+    alloc = PrefixCachingAllocator(need + spare, page_size)
+    scheduler = Scheduler(alloc, max_tokens_per_step=budget, max_rows=max_rows)
+    refused = []
+    reserve = alloc.reserve
+    alloc.reserve = lambda r, n: reserve(r, n) or refused.append((r, n))
+
+    def check(where):
+        assert not refused, f"{where}: a promised reservation was refused"
+        promised = sum(alloc.missing_pages(r.index, r.lifetime_tokens)
+                       for r in scheduler.running.values())
+        assert alloc.free_pages >= promised, where
+        held = {p for i in scheduler.running for p in alloc.table(i)}
+        assert len(held) + alloc.free_pages == alloc.num_pages, f"{where}: a page lost"
+        for r in scheduler.running.values():
+            assert len(alloc.table(r.index)) <= alloc.pages_for(r.lifetime_tokens), where
+
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][3])
+    ended, ahead, step = {}, None, 0
+    while pending or not scheduler.done:
+        while pending and requests[pending[0]][3] <= step:
+            i = pending.pop(0)
+            scheduler.add(Request(i, prompts[i], requests[i][2]))
+        step += 1
+        assert step < 2000
+        if scheduler.done:
+            continue
+        if ahead is not None:
+            rows, ahead = ahead, None
+        else:
+            rows = scheduler.schedule()
+            if rng.random() < 0.2:
+                rows = scheduler.schedule(max_rows=max(1, len(rows) // 2),
+                                          max_tokens=max(1, sum(r.length for r in rows) // 2))
+        check(f"step {step}: scheduled")
+        assert not writes_shared_page(alloc, rows), f"step {step}: a cached page written"
+        live = [r for r in rows if r.request in scheduler.running]
+        if rng.random() < 0.5:
+            ahead = scheduler.next_decode_rows(live)
+            check(f"step {step}: foreseen")
+        tokens = {r.request: EOS if (r.request + r.start) % 7 == 0 else TOKEN
+                  for r in live if r.samples}
+        for request, reason in scheduler.commit(live, tokens, frozenset({EOS})):
+            ended[request.index] = reason
+        if ahead is not None:
+            ahead = [r for r in ahead if r.request in scheduler.running] or None
+        check(f"step {step}: committed")
+    assert sorted(ended) == list(range(len(requests)))
+    assert alloc.free_pages == alloc.num_pages and alloc.live_requests == []
+
+
+# P = 2 over gloo, TP mode and SP mode in one spawn.
+MESHES = {"tp": dict(tp=2, sp=1), "sp": dict(tp=1, sp=2)}
+
+
+def _ranks(rank: int, world_size: int):
+    out = {}
+    for mode, sizes in MESHES.items():
+        mesh = init_mesh(**sizes, device_type="cpu")
+        model = torch_cp.patch_model(tiny_qwen3(), context_parallel=True, mesh=mesh, mode=mode,
+                                     page_size=PAGE)
+        for caching in (False, True):
+            engine = Engine(model, PAGES, PAGE, BUDGET, prefix_caching=caching)
+            runs = [[r.token_ids for r in engine.run(PROMPTS, NEW)] for _ in range(2)]
+            out[mode, caching] = (runs, engine.reused_tokens, engine.allocator.free_pages)
+    return out
+
+
+@pytest.mark.slow
+def test_p2_tokens_with_caching_equal_tokens_without(reference):
+    for rank, out in enumerate(run_ranks(2, _ranks)):
+        for mode in MESHES:
+            (plain, reused0, free0), (cached, reused, free) = out[mode, False], out[mode, True]
+            assert plain == [reference, reference], (rank, mode)
+            assert cached == plain, (rank, mode)
+            assert reused0 == 0 and reused > 0, (rank, mode)
+            assert free0 == free == PAGES, (rank, mode)
