@@ -10,7 +10,13 @@ import gpu_models
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_models import NEW_TOKENS, PROMPT_LENGTHS, near_tie, prompts, tokens
+from gpu_models import (
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    assert_equal_but_near_ties,
+    prompts,
+    tokens,
+)
 from multirank import run_ranks
 
 import torch_cp
@@ -62,21 +68,7 @@ def test_compiled_engine_gives_the_uncompiled_engines_tokens(name):
     fast = tokens(engine.run(prompts(), NEW_TOKENS))
     assert engine.replayed_steps >= NEW_TOKENS - 2
     assert engine.launched_ahead_steps >= NEW_TOKENS // 2
-    assert_equal_but_near_ties(name, plain, fast)
-
-
-def assert_equal_but_near_ties(name, want_streams, have_streams):
-    """Greedy streams of the same bf16 model, summed in other orders: equal, or split where the
-    unpatched model's two candidates are within 2^-5 of the logit (``test_nccl_gpu.near_tie``)."""
-    reference = MODELS[name]().cuda()
-    for prompt, want, have in zip(prompts(), want_streams, have_streams):
-        if want == have:
-            continue
-        d = next(i for i, (x, y) in enumerate(zip(want, have)) if x != y)
-        with torch.inference_mode():
-            logits = reference(torch.tensor([prompt + want[:d]], device="cuda")).logits[0, -1]
-        a, b = logits[want[d]].float().item(), logits[have[d]].float().item()
-        assert near_tie(abs(a - b), max(abs(a), abs(b))), (prompt, d, a, b)
+    assert_equal_but_near_ties(MODELS[name]().cuda(), plain, fast)
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -91,7 +83,7 @@ def test_prompts_prefilled_in_chunks_give_the_whole_prompts_tokens(name, compile
     engine = torch_cp.Engine(model, **kwargs, max_tokens_per_step=16, compile=compile)
     chunked = tokens(engine.run(prompts(), NEW_TOKENS))
     assert engine.steps >= sum(-(-n // 16) for n in PROMPT_LENGTHS)
-    assert_equal_but_near_ties(name, whole, chunked)
+    assert_equal_but_near_ties(MODELS[name]().cuda(), whole, chunked)
 
 
 def qwen3_in(dtype):

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from gpu_models import MOE_MODELS, NEW_TOKENS, near_tie, prompts, router_near_tie, tokens
+from gpu_models import MOE_MODELS, NEW_TOKENS, assert_equal_but_near_ties, prompts, tokens
 
 import torch_cp
 
@@ -18,23 +18,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                        reason="needs FlashInfer"),
 ]
-
-
-def assert_equal_but_near_ties(model, want_streams, have_streams):
-    """Greedy streams of one model computed in other orders (another attention kernel, grouped
-    experts instead of the loop, fused layers): equal, or split where the unpatched model's two
-    candidates are within ``near_tie``, or where one of its routers ranks two experts so
-    (``router_near_tie``)."""
-    for prompt, want, have in zip(prompts(), want_streams, have_streams):
-        if want == have:
-            continue
-        d = next(i for i, (x, y) in enumerate(zip(want, have)) if x != y)
-        ids = torch.tensor([prompt + want[:d]], device="cuda")
-        with torch.inference_mode():
-            logits = model(ids).logits[0, -1]
-        a, b = logits[want[d]].float().item(), logits[have[d]].float().item()
-        assert near_tie(abs(a - b), max(abs(a), abs(b))) or router_near_tie(model, ids), \
-            (prompt, d, a, b)
 
 
 @pytest.mark.parametrize("backend,dtype,implementation", [

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from admission import WatchedCachingAllocator, drive, expected_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multirank import run_ranks
 
 import torch_cp
 from torch_cp.engine import Engine
-from torch_cp.engine.scheduler import Request, Row, Scheduler, writes_shared_page
+from torch_cp.engine.scheduler import Row, writes_shared_page
 from torch_cp.kv import PrefixCachingAllocator
 from torch_cp.mesh import init_mesh
 from torch_cp.tiny import tiny_qwen3
@@ -145,10 +146,8 @@ def test_a_failed_reserve_after_admit_is_undone_by_release():
     assert alloc.state() == before and alloc.free_pages == 4
 
 
-# The scheduler alone, through the engine's protocol, with caching: promises are kept.
-EOS, TOKEN = 9, 5
-
-
+# The scheduler alone, through the engine's protocol (tests/helpers/admission.py), with caching:
+# promises are kept.
 @settings(max_examples=60, deadline=None)
 @given(requests=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.integers(1, 8),
                                    st.integers(0, 6)), min_size=1, max_size=7),
@@ -157,62 +156,17 @@ EOS, TOKEN = 9, 5
 def test_admission_with_caching_keeps_every_promise(requests, page_size, spare, budget,
                                                     max_rows, seed):
     """Requests (family of shared prefix, suffix length, max_new_tokens, arrival step); EOS
-    when a token is 0 mod 7 of the fake stream; retries and foreseen steps at random."""
-    import random
-
-    rng = random.Random(seed)
+    after a number of tokens derived from the request; retries and foreseen steps at random.
+    Shared pages are held as often as their reference counts say and never written."""
     families = [[1 + (f * 5 + k) % 11 for k in range(9)] for f in range(3)]
     prompts = [families[f][:3 + n % 7] + [20 + i] * (n // 3) for i, (f, n, _, _) in
                enumerate(requests)]
+    runs = [(p, new, (i + n) % 7, at) for i, (p, (_, n, new, at)) in
+            enumerate(zip(prompts, requests))]
     need = max(-(-(len(p) + r[2] - 1) // page_size) for p, r in zip(prompts, requests))
-    alloc = PrefixCachingAllocator(need + spare, page_size)
-    scheduler = Scheduler(alloc, max_tokens_per_step=budget, max_rows=max_rows)
-    refused = []
-    reserve = alloc.reserve
-    alloc.reserve = lambda r, n: reserve(r, n) or refused.append((r, n))
-
-    def check(where):
-        assert not refused, f"{where}: a promised reservation was refused"
-        promised = sum(alloc.missing_pages(r.index, r.lifetime_tokens)
-                       for r in scheduler.running.values())
-        assert alloc.free_pages >= promised, where
-        held = {p for i in scheduler.running for p in alloc.table(i)}
-        assert len(held) + alloc.free_pages == alloc.num_pages, f"{where}: a page lost"
-        for r in scheduler.running.values():
-            assert len(alloc.table(r.index)) <= alloc.pages_for(r.lifetime_tokens), where
-
-    pending = sorted(range(len(requests)), key=lambda i: requests[i][3])
-    ended, ahead, step = {}, None, 0
-    while pending or not scheduler.done:
-        while pending and requests[pending[0]][3] <= step:
-            i = pending.pop(0)
-            scheduler.add(Request(i, prompts[i], requests[i][2]))
-        step += 1
-        assert step < 2000
-        if scheduler.done:
-            continue
-        if ahead is not None:
-            rows, ahead = ahead, None
-        else:
-            rows = scheduler.schedule()
-            if rng.random() < 0.2:
-                rows = scheduler.schedule(max_rows=max(1, len(rows) // 2),
-                                          max_tokens=max(1, sum(r.length for r in rows) // 2))
-        check(f"step {step}: scheduled")
-        assert not writes_shared_page(alloc, rows), f"step {step}: a cached page written"
-        live = [r for r in rows if r.request in scheduler.running]
-        if rng.random() < 0.5:
-            ahead = scheduler.next_decode_rows(live)
-            check(f"step {step}: foreseen")
-        tokens = {r.request: EOS if (r.request + r.start) % 7 == 0 else TOKEN
-                  for r in live if r.samples}
-        for request, reason in scheduler.commit(live, tokens, frozenset({EOS})):
-            ended[request.index] = reason
-        if ahead is not None:
-            ahead = [r for r in ahead if r.request in scheduler.running] or None
-        check(f"step {step}: committed")
-    assert sorted(ended) == list(range(len(requests)))
-    assert alloc.free_pages == alloc.num_pages and alloc.live_requests == []
+    alloc = WatchedCachingAllocator(need + spare, page_size)
+    ended = drive(runs, alloc, budget, max_rows, seed)
+    assert ended == {i: expected_end(new, eos) for i, (_, new, eos, _) in enumerate(runs)}
 
 
 # P = 2 over gloo, TP mode and SP mode in one spawn.
