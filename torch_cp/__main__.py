@@ -163,14 +163,14 @@ def load_tokenizer(path: str):
 
 
 def prompts_of(args, tokenizer) -> list[list[int]]:
-    if not args.prompt:
-        if tokenizer is None:
-            return [list(p) for p in DEFAULT_TOKEN_PROMPTS]
-        texts = DEFAULT_PROMPTS if args.model is None else ["The capital of France is"]
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    if tokenizer is not None:
-        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in args.prompt]
-    return [_token_ids(p) for p in args.prompt]
+    from torch_cp.engine.requests import normalize_prompts
+
+    if tokenizer is None:
+        return [_token_ids(p) for p in args.prompt] if args.prompt else [
+            list(p) for p in DEFAULT_TOKEN_PROMPTS]
+    texts = args.prompt or (DEFAULT_PROMPTS if args.model is None
+                            else ["The capital of France is"])
+    return normalize_prompts(list(texts), tokenizer)
 
 
 def _token_ids(prompt: str) -> list[int]:
@@ -221,16 +221,15 @@ def main(argv=None) -> int:
                      cuda_graphs=args.cuda_graphs, compile=args.compile,
                      overlap_planning=args.overlap_planning, progress=not args.no_progress)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    results = eng.run(prompts, news, sampling, eos_ids(model, None, tokenizer),
-                      progress=not args.no_progress)
+    results = eng.run_tokens(prompts, news, sampling, eos_ids(model, None, tokenizer),
+                             progress=not args.no_progress, tokenizer=tokenizer)
     kv = [eng.kv_bytes]
     if dist.is_initialized():
         kv = [None] * dist.get_world_size()
         dist.all_gather_object(kv, eng.kv_bytes)
     if rank == 0:
         p = runtime.placement
-        texts = [tokenizer.decode(list(r.token_ids), skip_special_tokens=True)
-                 if tokenizer is not None and r.ok else None for r in results]
+        texts = [r.text if r.ok else None for r in results]  # None without a tokenizer
         print(f"P = {p.size} ({p.mode} mode)" if p.size > 1 else "P = 1 (no context parallelism)")
         for r, text in zip(results, texts):
             line = f"request {r.index} ({len(prompts[r.index])} prompt tokens, {r.finish_reason}): "
