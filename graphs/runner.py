@@ -70,11 +70,14 @@ class CUDAGraphRunner:
         self.pad_token_id = 0
         self.cache_kwarg = cache_kwarg(model)
 
-    def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables) -> StepPlan:
-        pool = self.cache.pool
+    def _plan(self, bucket: Bucket, q_lens, ctx_lens, tables, state_slots=None) -> StepPlan:
+        pool, state = self.cache.pool, self.cache.state
+        if state is not None and state_slots is None:
+            state_slots = []  # a capture step: every row is padding, on the sink slot
         return build_step_plan(q_lens, ctx_lens, tables, page_size=pool.page_size,
                                sink_page=pool.sink_page, placement=self.cache.runtime.placement,
-                               device=self.device, bucket=bucket)
+                               device=self.device, bucket=bucket, state_slots=state_slots,
+                               sink_slot=None if state is None else state.sink_slot)
 
     def _forward(self, c: _Captured) -> torch.Tensor:
         out = self.model(input_ids=c.input_ids, position_ids=c.static.plan.positions[None],
@@ -111,24 +114,27 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def step(self, token_ids: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
-             tables: Sequence[Sequence[int]], logit_rows: Sequence[int]) -> torch.Tensor | None:
+             tables: Sequence[Sequence[int]], logit_rows: Sequence[int],
+             state_slots: Sequence[int] | None = None) -> torch.Tensor | None:
         """Run one step from its bucket's graph (``prepare``, then ``launch``).
 
         Args:
             token_ids: the step's new tokens, row after row.
             q_lens, ctx_lens, tables: per row, as for ``build_step_plan``.
             logit_rows: rows whose last token's logits are wanted.
+            state_slots: a hybrid model's state slot of each row.
         Returns:
             [len(logit_rows), vocab] logits, or None when no captured bucket fits (run eagerly).
         """
-        plan = self.prepare(q_lens, ctx_lens, tables)
+        plan = self.prepare(q_lens, ctx_lens, tables, state_slots)
         if plan is None:
             return None
         return self.launch(plan, token_ids, logit_rows)
 
     @torch.inference_mode()
     def prepare(self, q_lens: Sequence[int], ctx_lens: Sequence[int],
-                tables: Sequence[Sequence[int]]) -> StepPlan | None:
+                tables: Sequence[Sequence[int]],
+                state_slots: Sequence[int] | None = None) -> StepPlan | None:
         """Plan a step into its bucket's static buffers and plan the backend: the plan (on the
         buffers, carrying its bucket), or None when no captured bucket fits. Host work plus
         stream-ordered copies: it may run while an earlier replay still executes (the copies
@@ -136,7 +142,8 @@ class CUDAGraphRunner:
         bucket = self.bucket_for(q_lens, max((len(t) for t in tables), default=0))
         if bucket is None:
             return None
-        plan = self.captured[bucket].static.load(self._plan(bucket, q_lens, ctx_lens, tables))
+        plan = self.captured[bucket].static.load(
+            self._plan(bucket, q_lens, ctx_lens, tables, state_slots))
         self.cache.begin_step(plan)
         return plan
 

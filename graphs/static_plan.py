@@ -28,7 +28,8 @@ class StaticPlan:
             lens=ctx.lens.clone(), indptr=ctx.indptr.clone(),
             indices=torch.zeros(rows * width, dtype=ctx.indices.dtype, device=ctx.table.device),
             last_page_len=ctx.last_page_len.clone(), table=ctx.table.clone())
-        self.tensors = {name: getattr(template, name).clone() for name in _STEP_TENSORS}
+        self.tensors = {name: getattr(template, name).clone() for name in _STEP_TENSORS
+                        if getattr(template, name) is not None}
         self.plan = self.load(template)
 
     def load(self, plan: StepPlan) -> StepPlan:
@@ -46,7 +47,8 @@ class StaticPlan:
         return replace(plan, context=self.context, **self.tensors)
 
 
-_STEP_TENSORS = ("qo_indptr", "q_lens", "ctx_lens", "positions", "token_row", "write_index")
+_STEP_TENSORS = ("qo_indptr", "q_lens", "ctx_lens", "positions", "token_row", "write_index",
+                 "state_slots")
 
 
 def _context_tensors(ctx: PagedIndptrs) -> tuple[torch.Tensor, ...]:

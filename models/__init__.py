@@ -19,6 +19,11 @@ FAMILY_MODULES: dict[str, str] = {
     "glm4_moe": "torch_cp.models.glm",
     "glm4_moe_lite": "torch_cp.models.mla",
     "deepseek_v3": "torch_cp.models.mla",
+    "qwen3_next": "torch_cp.models.hybrid",
+    "qwen3_5_text": "torch_cp.models.hybrid",
+    "qwen3_5": "torch_cp.models.hybrid",
+    "qwen3_5_moe_text": "torch_cp.models.hybrid",
+    "qwen3_5_moe": "torch_cp.models.hybrid",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(FAMILY_MODULES))
 

@@ -13,6 +13,10 @@ naming the hook, when one moves.
   renamed ``all_gather_single`` in torch 2.13; the GPU machine's 2.11 has only the old name).
 - ``GenerationMixin._prepare_cache_for_generation``: where ``model.generate`` builds its cache;
   a patched model overrides it to build a paged one.
+- transformers' torch gated delta rules (``torch_chunk_gated_delta_rule``,
+  ``torch_recurrent_gated_delta_rule`` in ``modeling_qwen3_5``), wrapped by a decorator that
+  dispatches to flash-linear-attention when it is installed: the reference kernels are the
+  wrapped functions (``__wrapped__``). ``ACT2FN`` names the activations.
 - ``config._experts_implementation``: which experts forward a ``@use_experts_implementation``
   MoE block runs (``graphs/experts.py`` reads it, and sets it where ``set_experts_implementation``
   does not reach).
@@ -92,3 +96,19 @@ def set_experts_implementation(model: nn.Module, experts: list[nn.Module], name:
     model.set_experts_implementation(name)
     for e in experts:
         e.config._experts_implementation = name
+
+
+def torch_gated_delta_rules() -> tuple[Callable, Callable]:
+    """transformers' torch (chunked, recurrent) gated delta rules, never flash-linear-attention's
+    kernels that their module-level names dispatch to when it is installed."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    return tuple(getattr(f, "__wrapped__", f) for f in (m.torch_chunk_gated_delta_rule,
+                                                         m.torch_recurrent_gated_delta_rule))
+
+
+def activation(name: str) -> Callable:
+    """transformers' activation function called ``name``."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]

@@ -9,8 +9,10 @@ from torch import nn
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers (modules with ``self_attn`` and ``mlp``), in module order."""
-    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    """The decoder layers (modules with ``mlp`` and ``self_attn`` or, in hybrid models,
+    ``linear_attn``), in module order."""
+    return [m for m in model.modules() if hasattr(m, "mlp") and (
+        hasattr(m, "self_attn") or hasattr(m, "linear_attn"))]
 
 
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:
@@ -23,3 +25,9 @@ def attention_modules(model: nn.Module, class_names: Iterable[str]) -> list[nn.M
     names = frozenset(class_names)
     found = [m for m in model.modules() if type(m).__name__ in names]
     return sorted(found, key=lambda m: m.layer_idx)
+
+
+def linear_modules(model: nn.Module, family) -> list[nn.Module]:
+    """A hybrid model's linear-attention modules (the family's ``linear_classes``), in layer
+    order; none for other families."""
+    return attention_modules(model, getattr(family, "linear_classes", ()))

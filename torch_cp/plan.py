@@ -97,6 +97,8 @@ class StepPlan:
             ``[batch * seq]`` input when that input is not packed (``model.generate`` with padded
             rows); ``None`` when the input is the packed tokens themselves.
         bucket: the captured shape this step is padded to and replays, or None (eager).
+        state_slots: [B] int64 state-pool slot of each row (hybrid models' linear-attention
+            state; padding rows: the sink slot), or None when the model keeps no state.
     """
 
     num_rows: int
@@ -117,6 +119,7 @@ class StepPlan:
     placement: ContextParallel
     token_index: torch.Tensor | None = None
     bucket: Bucket | None = None
+    state_slots: torch.Tensor | None = None
 
     @property
     def page_ids(self) -> torch.Tensor:
@@ -151,6 +154,8 @@ def build_step_plan(
     device: torch.device | str = "cpu",
     bucket: Bucket | None = None,
     token_index: torch.Tensor | None = None,
+    state_slots: Sequence[int] | None = None,
+    sink_slot: int | None = None,
 ) -> StepPlan:
     """Build the step plan for one partner.
 
@@ -165,6 +170,8 @@ def build_step_plan(
             or none (mixed bucket, whose token padding follows the last row); page tables
             ``bucket.table_width`` wide.
         token_index: see ``StepPlan.token_index``.
+        state_slots, sink_slot: each row's state-pool slot and the pool's sink slot, for
+            models with linear-attention state (padding rows get the sink slot).
     """
     placement = placement or ContextParallel.single()
     rows = len(q_lens)
@@ -184,6 +191,8 @@ def build_step_plan(
             problems.append(f"a step of {rows} rows, {num_tokens} tokens "
                             f"({'decode' if is_decode else 'multi-token'}) and page tables up "
                             f"to {width} pages does not fit {bucket}")
+    if state_slots is not None and (len(state_slots) != rows or sink_slot is None):
+        problems.append("state_slots needs one slot per row and the pool's sink_slot")
     if problems:
         raise ValueError("invalid step: " + "; ".join(problems))
     local_page = page_size // placement.size
@@ -221,8 +230,10 @@ def build_step_plan(
     (qo_d, q_d, c_d, *context_d), (qo_h, _, _, *context_h) = _upload(
         [qo_indptr.to(i32), q_t.to(i32), c_t.to(i32), host.lens, host.indptr, host.indices,
          host.last_page_len, host.table], dev)
-    (positions_d, token_row_d, write_index_d), _ = _upload([positions, token_row, write_index],
-                                                           dev)
+    slots = [] if state_slots is None else [torch.tensor(
+        [int(s) for s in state_slots] + [sink_slot] * (padded_rows - rows), dtype=torch.int64)]
+    (positions_d, token_row_d, write_index_d, *slots_d), _ = _upload(
+        [positions, token_row, write_index, *slots], dev)
     return StepPlan(
         num_rows=rows,
         num_tokens=num_tokens,
@@ -242,4 +253,5 @@ def build_step_plan(
         placement=placement,
         token_index=None if token_index is None else token_index.to(dev),
         bucket=bucket,
+        state_slots=slots_d[0] if slots_d else None,
     )

@@ -11,6 +11,7 @@ from torch_cp.attention.backend import AttentionBackend, AttentionGeometry
 from torch_cp.attention.exchange import Exchange
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.placement import ContextParallel
+from torch_cp.state import LinearGeometry, StatePool
 
 if TYPE_CHECKING:
     from torch_cp.models.base import Family
@@ -31,6 +32,8 @@ class ModelRuntime:
         tp, tp_rank, tp_group: the tensor-parallel split (tp = 1: not sharded).
         family: the model family that patched the attention modules (None: built by hand).
         originals: (attention module, its own forward) pairs that ``unpatch_model`` restores.
+        linear: per-rank shapes of a hybrid model's linear-attention layers (None: no state).
+        linear_kernels: their kernels, ``"torch"`` or ``"fla"`` (``torch_cp.state.kernels``).
     """
 
     placement: ContextParallel
@@ -46,6 +49,8 @@ class ModelRuntime:
     tp_group: object | None = None
     family: Family | None = None
     originals: list = field(default_factory=list, repr=False)
+    linear: LinearGeometry | None = None
+    linear_kernels: str = "torch"
 
     @property
     def spans_ranks(self) -> bool:
@@ -61,6 +66,14 @@ class ModelRuntime:
                            self.placement, self.dtype, self.device)
         return MLAPool(self.num_layers, num_pages, page_size, g.kv_lora_rank, g.rope_dim,
                        self.placement, self.dtype, self.device)
+
+
+def new_state_pool(runtime: ModelRuntime, num_slots: int) -> StatePool | None:
+    """A state pool of ``num_slots`` request slots (plus the sink slot) for a hybrid model's
+    linear-attention layers; None for a model without them."""
+    if runtime.linear is None:
+        return None
+    return StatePool(runtime.linear, num_slots, runtime.dtype, runtime.device)
 
 
 def runtime_of(model) -> ModelRuntime:

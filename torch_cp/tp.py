@@ -83,6 +83,12 @@ def _shard(tensor: torch.Tensor, dim: int, index: slice | torch.Tensor) -> nn.Pa
     return param
 
 
+def keep_entries(module: nn.Module, name: str, dim: int, index: slice | torch.Tensor) -> None:
+    """Keep entries ``index`` along ``dim`` of the parameter ``module.<name>``, in place (a conv's
+    channels, per-head parameters)."""
+    setattr(module, name, _shard(getattr(module, name), dim, index))
+
+
 def keep_out_features(linear: nn.Linear, index: slice | torch.Tensor) -> None:
     """Column-parallel: keep output features ``index`` (weight rows, bias entries), in place."""
     linear.weight = _shard(linear.weight, 0, index)
@@ -145,7 +151,7 @@ def _intermediate_sizes(mlp: nn.Module) -> list[tuple[str, int]]:
             raise ValueError(f"{type(mlp).__name__}: experts with biases or without a gate")
         dim = 1 if getattr(experts, "is_transposed", False) else 2
         sizes = [("MoE intermediate size", experts.down_proj.shape[dim])]
-        shared = getattr(mlp, "shared_experts", None)
+        shared = _shared_experts(mlp)
         if shared is not None:
             if getattr(getattr(shared, "down_proj", None), "bias", None) is not None:
                 raise ValueError(f"{type(mlp).__name__}: shared experts with a down_proj bias")
@@ -156,6 +162,14 @@ def _intermediate_sizes(mlp: nn.Module) -> list[tuple[str, int]]:
     if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
         return [("MLP intermediate size", mlp.down_proj.in_features)]
     raise ValueError(f"{type(mlp).__name__}: unknown MLP layout")
+
+
+def _shared_experts(mlp: nn.Module) -> nn.Module | None:
+    """An MoE block's shared experts MLP: ``shared_experts`` (Qwen2-MoE style, DeepSeek, GLM) or
+    ``shared_expert`` (Qwen3-Next, Qwen3.5-MoE; its ``shared_expert_gate`` scales each token's
+    output by one replicated scalar, so the split sum stays exact)."""
+    shared = getattr(mlp, "shared_experts", None)
+    return shared if shared is not None else getattr(mlp, "shared_expert", None)
 
 
 def mlp_problems(mlp: nn.Module, tp: int) -> list[str]:
@@ -213,8 +227,8 @@ def shard_mlp(mlp: nn.Module, tp_rank: int, tp: int, group) -> None:
         raise ValueError("; ".join(problems))
     if hasattr(mlp, "experts"):
         _shard_experts(mlp.experts, tp_rank, tp)
-        if getattr(mlp, "shared_experts", None) is not None:
-            _shard_dense(mlp.shared_experts, tp_rank, tp)
+        if _shared_experts(mlp) is not None:
+            _shard_dense(_shared_experts(mlp), tp_rank, tp)
         mlp.register_forward_hook(_all_reduce_output(group))
     else:
         _shard_dense(mlp, tp_rank, tp)

@@ -47,9 +47,9 @@ def _watch(engine):
     rows, evicted = [], [0]
     plan, reserve, alloc = engine.launcher.plan, engine.allocator.reserve, engine.allocator
 
-    def planned(step_rows, tables):
+    def planned(step_rows, tables, state_slots=None):
         rows.append(list(step_rows))
-        return plan(step_rows, tables)
+        return plan(step_rows, tables, state_slots)
 
     def reserved(request, num_tokens):
         free_list = alloc.free_pages - alloc.evictable_pages

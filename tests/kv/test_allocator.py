@@ -119,5 +119,5 @@ def test_refusal_leaves_later_decisions_unchanged():
 
 @pytest.mark.parametrize("pages,size", [(0, 4), (4, 0), (-1, -1)])
 def test_bad_geometry_is_refused(pages, size):
-    with pytest.raises(ValueError, match="num_pages >= 1 and page_size >= 1"):
+    with pytest.raises(ValueError, match="num_pages >= 1, page_size >= 1"):
         PageAllocator(pages, size)

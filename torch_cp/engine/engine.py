@@ -11,8 +11,6 @@ the schedulers; with the same seed, sampling itself is also identical on every r
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -31,12 +29,12 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams, broadcast_from_rank0, greedy_tokens, sample
 from torch_cp.engine.scheduler import Row, Scheduler, writes_shared_page
-from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, row_key
+from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, graph_runner, row_key
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
-from torch_cp.runtime import runtime_of
+from torch_cp.runtime import new_state_pool, runtime_of
 
 DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_GRAPH_ROWS = 64
@@ -52,7 +50,8 @@ class Engine:
         page_size: tokens per logical page, a multiple of P (default: the one given to
             ``patch_model``).
         max_tokens_per_step: token budget of one step; longer prompts prefill in chunks.
-        max_rows: most rows of one step, and most requests running at once (``None``: no limit).
+        max_rows: most rows of one step, and most requests running at once (``None``: no limit;
+            for a hybrid model, whose running requests each hold a state slot, 64).
         cuda_graphs: replay decode steps (and any ``mixed_buckets``) from CUDA graphs captured
             once per bucket; steps no bucket fits run eagerly. CUDA only.
         max_pages_per_row: page-table width of the captured buckets (default: the whole pool);
@@ -85,19 +84,23 @@ class Engine:
         self.model = model
         self.runtime = runtime_of(model)
         page_size = self.runtime.page_size if page_size is None else page_size
+        hybrid = self.runtime.linear is not None
         problems = engine_problems(num_pages, page_size, self.runtime.placement.size,
                                    max_tokens_per_step, max_rows, max_pages_per_row,
                                    mixed_buckets, cuda_graphs, compile, self.runtime.device,
-                                   prefix_caching)
+                                   prefix_caching, hybrid)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
         self.max_rows = max_rows
+        # A hybrid model's running requests each hold a state slot: max_rows of them.
+        state_slots = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
         self.allocator = (PrefixCachingAllocator if prefix_caching else PageAllocator)(
-            num_pages, page_size)
+            num_pages, page_size, state_slots)
         self.pool = self.runtime.new_pool(num_pages, page_size)
-        self.cache = PagedKVCache(self.runtime, self.pool)
+        self.state = new_state_pool(self.runtime, state_slots) if hybrid else None
+        self.cache = PagedKVCache(self.runtime, self.pool, self.state)
         self.broadcast = (self.runtime.spans_ranks and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() > 1)
         self.overlap_planning = overlap_planning
@@ -109,28 +112,23 @@ class Engine:
         self.launched_ahead_steps = 0  # ... and launched before its tokens reached the host
         self._ahead: PlannedStep | None = None  # planned, launched after the host samples
         self._inflight: LaunchedStep | None = None  # launched, not yet committed
-        self.runner = None
         self._announce = progress  # status lines
         self._announce_compile = compile  # the first step outside the buckets compiles again
-        if cuda_graphs:
-            from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
-
-            rows = min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS)
-            buckets = default_buckets(rows, max_pages_per_row or num_pages, mixed_buckets)
-            self.runner = CUDAGraphRunner(model, self.cache, buckets)
-            status(f"capturing CUDA graphs of {len(buckets)} step buckets" + (
-                ", compiling the decoder layers first (torch.compile: minutes)" if compile
-                else ""), progress)
-            began = time.perf_counter()
-            with compiled_layers(model) if compile else contextlib.nullcontext():
-                self.runner.capture()
-            status(f"captured in {time.perf_counter() - began:.1f} s", progress)
+        self.runner = graph_runner(
+            model, self.cache, min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS),
+            max_pages_per_row or num_pages, mixed_buckets, compile, progress) if cuda_graphs \
+            else None
         self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
 
     @property
     def kv_bytes(self) -> int:
         """Bytes of this rank's pool (every layer, the sink page included)."""
         return self.pool.bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of this rank's linear-attention state pool (hybrid models; else 0)."""
+        return self.state.bytes if self.state is not None else 0
 
     def run(self, prompts, max_new_tokens: int | Sequence[int],
             sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
@@ -250,7 +248,10 @@ class Engine:
         return self._plan(rows)
 
     def _plan(self, rows: list[Row]) -> PlannedStep:
-        return self.launcher.plan(rows, [self.allocator.table_tensor(r.request) for r in rows])
+        slots = ([self.allocator.state_slot(r.request) for r in rows] if self.state is not None
+                 else None)
+        return self.launcher.plan(rows, [self.allocator.table_tensor(r.request) for r in rows],
+                                  slots)
 
     def _launch(self, step: PlannedStep, rows: list[Row], ids, sampling: SamplingParams):
         if self._announce_compile and step.plan.bucket is None:

@@ -3,12 +3,13 @@
 The scheduler sees only prompts, generated tokens and logical page counts, never a rank's own KV
 lengths, so every rank that runs it with the same inputs makes the same decisions (lockstep).
 
-Admission is by free pages. A request is admitted when the pool's free pages, less the pages
-already promised to admitted requests for their remaining growth, cover its whole lifetime
-(prompt + max_new_tokens - 1 cached tokens), and while fewer than ``max_rows`` requests run (so
-every running request has a row in every step the token budget allows). Pages are then taken as
-rows grow, so an admitted request can always run to its end and nothing ever needs preempting; a
-request that does not fit waits (first come, first served) and none is dropped.
+Admission is by free pages (and, for a hybrid model, a free state slot). A request is admitted
+when the pool's free pages, less the pages already promised to admitted requests for their
+remaining growth, cover its whole lifetime (prompt + max_new_tokens - 1 cached tokens), and
+while fewer than ``max_rows`` requests run (so every running request has a row in every step the
+token budget allows). Pages are then taken as rows grow, so an admitted request can always run
+to its end and nothing ever needs preempting; a request that does not fit waits (first come,
+first served) and none is dropped.
 
 With a ``PrefixCachingAllocator`` a request is admitted through ``admit``: its table starts with
 the cached pages of its prompt's longest cached prefix, it starts with those tokens ``cached``
@@ -121,6 +122,8 @@ class Scheduler:
         those promised)."""
         if not self.waiting or (self.max_rows is not None and len(self.running) >= self.max_rows):
             return False
+        if self.allocator.state_slots and not self.allocator.free_state_slots:
+            return False  # a hybrid model's running requests hold every state slot
         return self._admission_pages(self.waiting[0]) <= available_pages
 
     def _admission_pages(self, request: Request) -> int:
@@ -138,6 +141,8 @@ class Scheduler:
             if self.caching:  # shares the cached prefix: only the rest is prefilled
                 request.cached = a.admit(request.index, request.prompt)
                 self.reused_tokens += request.cached
+            if a.state_slots:
+                a.take_state_slot(request.index)
             self.running[request.index] = request
             available -= free - a.free_pages + a.missing_pages(request.index,
                                                                  request.lifetime_tokens)

@@ -11,16 +11,37 @@ too (``plan._upload``): a copy from pageable memory would first wait for step n.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from torch_cp.compat import cache_kwarg
+from torch_cp.engine.feedback import status
 from torch_cp.engine.scheduler import Row
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.layers import decoder_layers
 from torch_cp.plan import StepPlan, build_step_plan
+
+
+def graph_runner(model, cache: PagedKVCache, rows: int, table_width: int,
+                    mixed_buckets, compile: bool, progress: bool):
+    """A ``CUDAGraphRunner`` with every decode bucket up to ``rows`` rows (and
+    ``mixed_buckets``) captured, the decoder layers compiled first with ``compile``; status
+    lines while it works (``progress``)."""
+    from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
+
+    buckets = default_buckets(rows, table_width, mixed_buckets)
+    runner = CUDAGraphRunner(model, cache, buckets)
+    status(f"capturing CUDA graphs of {len(buckets)} step buckets" + (
+        ", compiling the decoder layers first (torch.compile: minutes)" if compile else ""),
+        progress)
+    began = time.perf_counter()
+    with compiled_layers(model) if compile else contextlib.nullcontext():
+        runner.capture()
+    status(f"captured in {time.perf_counter() - began:.1f} s", progress)
+    return runner
 
 
 def row_key(rows: Sequence[Row]) -> tuple[tuple[int, int, int], ...]:
@@ -63,15 +84,19 @@ class StepLauncher:
         self.runtime = cache.runtime
         self._cache_kwarg = cache_kwarg(model)
 
-    def plan(self, rows: Sequence[Row], tables: Sequence[Sequence[int]]) -> PlannedStep:
-        """Plan ``rows`` (page tables ``tables``): into a captured bucket when one fits."""
+    def plan(self, rows: Sequence[Row], tables: Sequence[Sequence[int]],
+             state_slots: Sequence[int] | None = None) -> PlannedStep:
+        """Plan ``rows`` (page tables ``tables``; a hybrid model's state slots
+        ``state_slots``): into a captured bucket when one fits."""
         q_lens, ctx_lens = [r.length for r in rows], [r.start for r in rows]
-        plan = self.runner.prepare(q_lens, ctx_lens, tables) if self.runner else None
+        plan = (self.runner.prepare(q_lens, ctx_lens, tables, state_slots) if self.runner
+                else None)
         if plan is None:
-            pool = self.cache.pool
+            pool, state = self.cache.pool, self.cache.state
             plan = build_step_plan(q_lens, ctx_lens, tables, page_size=pool.page_size,
                                    sink_page=pool.sink_page, placement=self.runtime.placement,
-                                   device=self.runtime.device)
+                                   device=self.runtime.device, state_slots=state_slots,
+                                   sink_slot=None if state is None else state.sink_slot)
             self.cache.begin_step(plan)
         return PlannedStep(row_key(rows), plan)
 

@@ -1,6 +1,7 @@
 """PagedKVCache: the transformers ``Cache`` a patched model's forward receives.
 
-It carries the model's runtime, the placed pool and the current step plan. The patched attention
+It carries the model's runtime, the placed pool, a hybrid model's state pool and the current
+step plan. The patched attention
 modules write the pool themselves (through ``ContextParallelAttention``), so ``update`` is never
 called; the model-level code of transformers only asks the cache how to size its attention mask,
 which the patched attention ignores.
@@ -12,7 +13,8 @@ from transformers.cache_utils import Cache
 
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.plan import StepPlan
-from torch_cp.runtime import ModelRuntime, runtime_of
+from torch_cp.runtime import ModelRuntime, new_state_pool, runtime_of
+from torch_cp.state import StatePool
 
 
 class PagedKVCache(Cache):
@@ -21,25 +23,35 @@ class PagedKVCache(Cache):
     Args:
         runtime: the patched model's ``model.torch_cp``.
         pool: the placed pool (``runtime.new_pool(num_pages, page_size)``).
+        state: a hybrid model's state pool (``torch_cp.runtime.new_state_pool``); its plans
+            then carry ``state_slots``.
 
     Attributes:
         plan: the step plan of the forward about to run (``None`` before the first step).
     """
 
-    def __init__(self, runtime: ModelRuntime, pool: GQAPool | MLAPool):
+    def __init__(self, runtime: ModelRuntime, pool: GQAPool | MLAPool,
+                 state: StatePool | None = None):
         super().__init__(layers=[])
         if pool.placement != runtime.placement:
             raise ValueError("the pool was built for another placement than the model's")
+        if (runtime.linear is None) != (state is None):
+            raise ValueError("a hybrid model needs a state pool (torch_cp.runtime."
+                             "new_state_pool), and only a hybrid model takes one")
         self.runtime = runtime
         self.pool = pool
+        self.state = state
         self.plan: StepPlan | None = None
 
     @classmethod
-    def for_model(cls, model, num_pages: int, page_size: int | None = None) -> PagedKVCache:
+    def for_model(cls, model, num_pages: int, page_size: int | None = None,
+                  state_slots: int = 1) -> PagedKVCache:
         """A cache with a fresh pool of ``num_pages`` pages for a patched ``model`` (page size:
-        the one given to ``patch_model`` unless overridden)."""
+        the one given to ``patch_model`` unless overridden), and for a hybrid model a state
+        pool of ``state_slots`` slots."""
         runtime = runtime_of(model)
-        return cls(runtime, runtime.new_pool(num_pages, page_size))
+        return cls(runtime, runtime.new_pool(num_pages, page_size),
+                   new_state_pool(runtime, state_slots))
 
     def begin_step(self, plan: StepPlan) -> None:
         """Make ``plan`` the plan of the next forward and plan the backend for it (host side)."""
@@ -50,6 +62,9 @@ class PagedKVCache(Cache):
                 f"the step plan (page_size {plan.page_size}, sink page {plan.sink_page}) does not "
                 f"match the pool (page_size {self.pool.page_size}, "
                 f"sink page {self.pool.sink_page})")
+        if (self.state is None) != (plan.state_slots is None):
+            raise ValueError("a hybrid model's step plan needs state_slots (and only its plan "
+                             "takes them): build_step_plan(..., state_slots=, sink_slot=)")
         self.plan = plan
         self.runtime.backend.plan(plan)
 

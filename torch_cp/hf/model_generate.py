@@ -23,19 +23,20 @@ from torch_cp import compat
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
-from torch_cp.runtime import runtime_of
+from torch_cp.runtime import new_state_pool, runtime_of
 
 
 class GenerateCache(PagedKVCache):
     """A ``PagedKVCache`` whose step plans come from padded ``[B, S]`` inputs (``model.generate``).
 
     Args:
-        runtime, pool: as for ``PagedKVCache``.
+        runtime, pool, state: as for ``PagedKVCache`` (a hybrid model's state pool has a slot
+            per row: row r's state lives in slot r).
         batch_size: rows B of every forward it serves.
     """
 
-    def __init__(self, runtime, pool, batch_size: int):
-        super().__init__(runtime, pool)
+    def __init__(self, runtime, pool, batch_size: int, state=None):
+        super().__init__(runtime, pool, state)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.rows = batch_size
@@ -68,7 +69,9 @@ class GenerateCache(PagedKVCache):
             [q_lens[r] for r in rows], [self.row_lens[r] for r in rows],
             [self.allocator.table_tensor(r) for r in rows], page_size=self.pool.page_size,
             sink_page=self.pool.sink_page, placement=self.runtime.placement,
-            device=self.runtime.device, token_index=token_index)
+            device=self.runtime.device, token_index=token_index,
+            state_slots=None if self.state is None else rows,
+            sink_slot=None if self.state is None else self.state.sink_slot)
         self.begin_step(plan)
         for r in rows:
             self.row_lens[r] += q_lens[r]
@@ -126,7 +129,8 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     size = runtime.page_size if page_size is None else page_size
     pages = batch_size * -(-max_length // size)
     install_generate(model)
-    return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size)
+    return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size,
+                         new_state_pool(runtime, batch_size))
 
 
 def _plan_before_forward(module, args, kwargs):

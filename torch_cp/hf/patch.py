@@ -13,15 +13,23 @@ from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
 from torch_cp.hf import model_generate
-from torch_cp.hf.forward import patched_forward
+from torch_cp.hf.forward import patched_forward, patched_linear_forward
 from torch_cp.hf.validate import PatchSettings, validate_patch
-from torch_cp.layers import attention_modules, decoder_mlps
+from torch_cp.layers import attention_modules, decoder_mlps, linear_modules
 from torch_cp.mesh import AXES, kv_head_replicas, partner_placement
 from torch_cp.placement import ContextParallel
 from torch_cp.runtime import ModelRuntime, runtime_of
+from torch_cp.state.kernels import fla_available
 from torch_cp.tp import row_parallel, shard_mlp
 
 _ABSENT = object()
+
+
+def linear_kernels(backend_name: str) -> str:
+    """A hybrid model's linear-attention kernels: flash-linear-attention's beside FlashInfer
+    (when installed: validation requires it for ``backend="flashinfer"``), else transformers'
+    torch ones (the reference)."""
+    return "fla" if backend_name == "flashinfer" and fla_available() else "torch"
 
 
 def shard_model(model: nn.Module, s: PatchSettings, mesh) -> None:
@@ -34,6 +42,9 @@ def shard_model(model: nn.Module, s: PatchSettings, mesh) -> None:
     for attn in attention_modules(model, s.family.attention_classes):
         s.family.shard_attention(attn, tp_rank, s.tp, layout)
         row_parallel(attn, "o_proj", group)
+    for mod in linear_modules(model, s.family):
+        s.family.shard_linear(mod, tp_rank, s.tp)
+        row_parallel(mod, "out_proj", group)
     for mlp in decoder_mlps(model):
         shard_mlp(mlp, tp_rank, s.tp, group)
 
@@ -78,14 +89,22 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
     geometry = family.geometry(model.config, s.tp, placement)
     attn_backend = make_backend(s.backend, geometry, s.device, s.dtype)
     attns = attention_modules(model, family.attention_classes)
+    linears = linear_modules(model, family)
     if s.tp > 1 and shard:
         shard_model(model, s, mesh)
     runtime = ModelRuntime(placement, exchange, attn_backend, geometry, len(attns), s.dtype,
                            s.device, s.page_size, s.tp, tp_rank, tp_group, family)
-    for attn in attns:
+    for pool_layer, attn in enumerate(attns):  # the pool's layers: the attention layers only
         runtime.originals.append((attn, attn.__dict__.get("forward", _ABSENT)))
-        attn.cp_attention = ContextParallelAttention(attn.layer_idx, attn_backend, exchange)
+        attn.cp_attention = ContextParallelAttention(pool_layer, attn_backend, exchange)
         attn.forward = patched_forward(family, attn)
+    if linears:
+        runtime.linear = family.linear_geometry(model.config, s.tp)
+        runtime.linear_kernels = linear_kernels(attn_backend.name)
+    for state_layer, mod in enumerate(linears):
+        runtime.originals.append((mod, mod.__dict__.get("forward", _ABSENT)))
+        mod.cp_state_layer = state_layer
+        mod.forward = patched_linear_forward(family, mod, runtime.linear_kernels)
     model.torch_cp = runtime
     model_generate.install_generate(model)
     return model
@@ -101,11 +120,13 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if runtime.tp > 1:
         raise ValueError(f"the model was sharded over tp = {runtime.tp}: TP sharding is one-way, "
                          f"reload the model instead of unpatching it")
-    for attn, original in runtime.originals:
-        del attn.forward
+    for module, original in runtime.originals:
+        del module.forward
         if original is not _ABSENT:
-            attn.forward = original
-        del attn.cp_attention
+            module.forward = original
+        for name in ("cp_attention", "cp_state_layer"):
+            module.__dict__.pop(name, None)
+            module._modules.pop(name, None)
     model_generate.uninstall_generate(model)
     del model.torch_cp
     return model

@@ -13,10 +13,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_cp.attention.select import BACKEND_NAMES, flashinfer_problems
-from torch_cp.layers import attention_modules, decoder_mlps
+from torch_cp.layers import attention_modules, decoder_mlps, linear_modules
 from torch_cp.mesh import AXES, context_parallel_problems
 from torch_cp.models import Family, family_for
 from torch_cp.placement import ContextParallel, page_size_problems
+from torch_cp.state.kernels import fla_available
 from torch_cp.tp import mlp_problems
 
 MODES = ("auto", "tp", "sp")
@@ -73,9 +74,34 @@ def _mesh_sizes(mesh, problems: list[str]) -> tuple[int | None, int | None]:
 
 def _layer_problems(model: nn.Module, family: Family) -> list[str]:
     layers = [m.layer_idx for m in attention_modules(model, family.attention_classes)]
-    if not layers or layers != list(range(len(layers))):
-        return [f"expected {'/'.join(family.attention_classes)} modules with layer indices "
-                f"0..n-1, found {layers}"]
+    hybrid = hasattr(family, "linear_classes")
+    expected = (family.attention_layers(model.config) if hybrid
+                else list(range(len(layers))))
+    problems = []
+    if not layers or layers != expected:
+        problems.append(f"expected {'/'.join(family.attention_classes)} modules with layer "
+                        f"indices {_ranges(expected) if hybrid else '0..n-1'}, found {layers}")
+    if hybrid:
+        linear = [m.layer_idx for m in linear_modules(model, family)]
+        wanted = sorted(set(range(len(model.config.get_text_config().layer_types)))
+                        - set(expected))
+        if linear != wanted:
+            problems.append(f"expected {'/'.join(family.linear_classes)} modules at layers "
+                            f"{_ranges(wanted)}, found {linear}")
+    return problems
+
+
+def _ranges(indices: list[int]) -> str:
+    return ", ".join(map(str, indices)) if len(indices) <= 8 else (
+        f"{', '.join(map(str, indices[:8]))}, ... ({len(indices)} layers)")
+
+
+def hybrid_backend_problems(name: str, family: Family | None) -> list[str]:
+    """A hybrid model beside FlashInfer runs its linear attention with flash-linear-attention."""
+    if name == "flashinfer" and hasattr(family, "linear_classes") and not fla_available():
+        return ["backend 'flashinfer' runs a hybrid model's linear-attention layers with "
+                "flash-linear-attention's kernels, which are not installed: pip install "
+                "flash-linear-attention (or backend='torch')"]
     return []
 
 
@@ -161,6 +187,7 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
                 problems += dict.fromkeys(p for mlp in decoder_mlps(model)
                                           for p in mlp_problems(mlp, tp))
     problems += backend_problems(backend, family, config, dtype, device)
+    problems += hybrid_backend_problems(backend, family)
     if context_parallel and mesh is None:
         problems.append("context_parallel=True needs a mesh whose ranks share KV heads "
                         "(TP mode: tp > kv_heads; SP mode: sp >= 2)")

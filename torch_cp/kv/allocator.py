@@ -8,18 +8,28 @@ import torch
 
 
 class PageAllocator:
-    """Free list of logical page ids and the page table of each live request.
+    """Free list of logical page ids and the page table of each live request, and for hybrid
+    models the state-pool slot of each.
 
     ``reserve`` answers ``False`` ("not now") when the free pages cannot cover a request's growth,
-    and changes nothing in that case; ``release`` returns every page of a request.
+    and changes nothing in that case; ``release`` returns every page of a request, and its state
+    slot with them.
+
+    Args:
+        num_pages, page_size: the pool's logical pages.
+        state_slots: slots of the state pool (0: the model keeps no linear-attention state).
     """
 
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 1 or page_size < 1:
+    def __init__(self, num_pages: int, page_size: int, state_slots: int = 0):
+        if num_pages < 1 or page_size < 1 or state_slots < 0:
             raise ValueError(
-                f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+                f"need num_pages >= 1, page_size >= 1 and state_slots >= 0, got {num_pages}, "
+                f"{page_size}, {state_slots}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.state_slots = state_slots
+        self._free_slots: deque[int] = deque(range(state_slots))
+        self._slot_of: dict[object, int] = {}
         self._free: deque[int] = deque(range(num_pages))
         self._tables: dict[object, list[int]] = {}
         self._arrays: dict[object, torch.Tensor] = {}  # the same tables, with room to grow
@@ -55,13 +65,32 @@ class PageAllocator:
         return True
 
     def release(self, request_id) -> None:
-        """Return every page of ``request_id`` to the free list (a no-op for unknown ids)."""
+        """Return every page of ``request_id`` to the free list, and its state slot (a no-op
+        for unknown ids)."""
         self._give_back(self._tables.pop(request_id, []))
         self._arrays.pop(request_id, None)
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     @property
     def live_requests(self) -> list:
-        return list(self._tables)
+        return list(dict.fromkeys([*self._tables, *self._slot_of]))
+
+    @property
+    def free_state_slots(self) -> int:
+        return len(self._free_slots)
+
+    def take_state_slot(self, request_id) -> int:
+        """Give ``request_id`` a state slot (admission checked ``free_state_slots``); it
+        returns with the request's pages (``release``)."""
+        assert request_id not in self._slot_of, "a request holds one state slot"
+        assert self._free_slots, "admission checks free_state_slots first"
+        slot = self._slot_of[request_id] = self._free_slots.popleft()
+        return slot
+
+    def state_slot(self, request_id) -> int:
+        return self._slot_of[request_id]
 
     # Hooks a caching allocator overrides: where pages come from and where they go back.
     def _take(self, count: int) -> list[int]:

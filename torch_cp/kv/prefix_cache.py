@@ -74,8 +74,8 @@ class PrefixCachingAllocator(PageAllocator):
     The first ``read_only_pages(request)`` pages of a table are cached and must never be written.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
-        super().__init__(num_pages, page_size)
+    def __init__(self, num_pages: int, page_size: int, state_slots: int = 0):
+        super().__init__(num_pages, page_size, state_slots)
         self._refs = [0] * num_pages
         self._key_of: list[bytes | None] = [None] * num_pages
         self._page_of: dict[bytes, int] = {}

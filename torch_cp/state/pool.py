@@ -1,0 +1,78 @@
+"""The state pool: each running request's conv and recurrent state, one slot per request.
+
+Linear-attention layers (gated DeltaNet) carry a fixed-size state instead of a growing KV cache:
+the last ``K - 1`` inputs of a short causal conv, and a recurrent ``[v_heads, k_dim, v_dim]``
+matrix per head. It is never striped: in TP mode a rank holds its share of the heads (split like
+any head), in SP mode every partner holds the same state and computes it the same way. Slot
+``num_slots`` is the sink slot that padding rows of a captured bucket read and write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LinearGeometry:
+    """Per-rank shapes of a hybrid model's linear-attention layers.
+
+    Attributes:
+        layers: linear-attention layers (state pool index = their order in the model).
+        k_heads, v_heads: key/query and value heads this rank holds (``v_heads % k_heads == 0``).
+        k_dim, v_dim: their sizes.
+        conv_kernel: the causal conv's kernel width K (the conv state keeps K - 1 inputs).
+    """
+
+    layers: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """Conv channels: q, k (``k_heads * k_dim`` each) and v (``v_heads * v_dim``)."""
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one request's state takes on this rank, every layer (recurrent state fp32)."""
+        conv = self.conv_channels * (self.conv_kernel - 1) * torch.finfo(dtype).bits // 8
+        recurrent = self.v_heads * self.k_dim * self.v_dim * 4
+        return self.layers * (conv + recurrent)
+
+
+class StatePool:
+    """Every linear layer's state: ``conv`` [layers, slots + 1, channels, K - 1] in the model's
+    dtype (the inputs the conv saw last, as transformers keeps them) and ``recurrent``
+    [layers, slots + 1, v_heads, k_dim, v_dim] in float32 (what the gated delta rule kernels
+    accumulate in). Slot ``sink_slot = num_slots`` belongs to padding rows.
+
+    Args:
+        geometry: this rank's linear-attention shapes.
+        num_slots: requests that can run at once.
+    """
+
+    def __init__(self, geometry: LinearGeometry, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        if num_slots < 1:
+            raise ValueError(f"a state pool needs num_slots >= 1, got {num_slots}")
+        g = geometry
+        self.geometry = g
+        self.num_slots = num_slots
+        self.sink_slot = num_slots
+        self.conv = torch.zeros(g.layers, num_slots + 1, g.conv_channels, g.conv_kernel - 1,
+                                dtype=dtype, device=device)
+        self.recurrent = torch.zeros(g.layers, num_slots + 1, g.v_heads, g.k_dim, g.v_dim,
+                                     dtype=torch.float32, device=device)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.conv, self.recurrent]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of this rank's state pool (the sink slot included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
