@@ -20,6 +20,13 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.15,
             max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+# Hybrid: gated DeltaNet layers around a full-attention one (state and pool indices both differ
+# from the decoder layer index); 2 key heads of 16, 4 value heads of 8, conv kernel 4.
+HYBRID = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                "linear_attention"],
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4)
+HYBRID_MOE = dict(HYBRID, **MOE, num_experts=4, shared_expert_intermediate_size=32)
 CONFIGS = {
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {}),
@@ -28,7 +35,11 @@ CONFIGS = {
     "glm4": (transformers.Glm4Config, {}),
     "glm4_moe": (transformers.Glm4MoeConfig, dict(MOE, n_routed_experts=4, n_shared_experts=1,
                                                     first_k_dense_replace=1, use_qk_norm=True)),
+    "qwen3_5_text": (transformers.Qwen3_5TextConfig, HYBRID),
+    "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, HYBRID_MOE),
+    "qwen3_next": (transformers.Qwen3NextConfig, HYBRID_MOE),
 }
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 PROMPTS = [[5, 7, 9, 11, 13], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [42],
@@ -110,12 +121,14 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, num_pages: int 
     for row, prompt in enumerate(prompts):
         assert alloc.reserve(row, len(prompt) + max_new_tokens), "not enough pages"
     tables = [alloc.table(row) for row in range(len(prompts))]
-    cache = PagedKVCache.for_model(model, alloc.num_pages)
+    cache = PagedKVCache.for_model(model, alloc.num_pages, state_slots=len(prompts))
+    slots = None if cache.state is None else list(range(len(prompts)))  # row r: slot r
 
     def step(q_lens, ctx_lens, input_ids):
         plan = build_step_plan(q_lens, ctx_lens, tables, page_size=page_size,
                                sink_page=cache.pool.sink_page, placement=runtime.placement,
-                               device=device)
+                               device=device, state_slots=slots,
+                               sink_slot=None if slots is None else cache.state.sink_slot)
         cache.begin_step(plan)
         last = plan.qo_indptr[1:plan.num_rows + 1].long() - 1
         out = model(input_ids=input_ids.view(1, -1).to(device),
