@@ -6,10 +6,11 @@
 
 A checkpoint loads with ``torch_cp.from_pretrained`` (each TP rank reads only its own shards).
 Prints each request's tokens and text (token ids alone when the checkpoint has no usable
-tokenizer), P and the KV-cache bytes each rank holds; ``--json PATH`` writes them too. Under
-torchrun the mesh is (sp, tp) over all ranks: gloo on CPU, NCCL on GPUs. A configuration problem
-is one line on rank 0 (the other ranks exit with the same code, silently); the console script
-``torch-cp-generate`` runs the same ``cli``.
+tokenizer), P, and the bytes each rank holds of the KV cache (and of a hybrid model's
+linear-attention state); ``--json PATH`` writes them too. Under torchrun the mesh is (sp, tp)
+over all ranks: gloo on CPU, NCCL on GPUs. A configuration problem is one line on rank 0 (the
+other ranks exit with the same code, silently); the console script ``torch-cp-generate`` runs the
+same ``cli``.
 """
 
 from __future__ import annotations
@@ -223,10 +224,11 @@ def main(argv=None) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = eng.run_tokens(prompts, news, sampling, eos_ids(model, None, tokenizer),
                              progress=not args.no_progress, tokenizer=tokenizer)
-    kv = [eng.kv_bytes]
+    kv, state = [eng.kv_bytes], [eng.state_bytes]  # state: hybrid models' linear attention
     if dist.is_initialized():
-        kv = [None] * dist.get_world_size()
+        kv, state = [None] * dist.get_world_size(), [None] * dist.get_world_size()
         dist.all_gather_object(kv, eng.kv_bytes)
+        dist.all_gather_object(state, eng.state_bytes)
     if rank == 0:
         p = runtime.placement
         texts = [r.text if r.ok else None for r in results]  # None without a tokenizer
@@ -239,20 +241,23 @@ def main(argv=None) -> int:
                 print(f"  text: {text!r}")
         print(f"KV cache: {eng.allocator.num_pages} pages of {args.page_size} tokens, "
               f"{eng.steps} steps")
-        for i, b in enumerate(kv):
-            print(f"KV bytes rank {i}: {b}")
+        for i, (b, sb) in enumerate(zip(kv, state)):
+            print(f"KV bytes rank {i}: {b}" + (f", linear-attention state bytes: {sb}" if sb
+                                               else ""))
         if args.json:
-            write_json(args.json, p, len(kv), kv, prompts, results, texts)
+            write_json(args.json, p, len(kv), kv, state, prompts, results, texts)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0 if all(r.ok for r in results) else 1
 
 
-def write_json(path: str, placement, world: int, kv: list[int], prompts, results, texts) -> None:
-    """The run as JSON: P, mode (None at P = 1), world, KV bytes per rank, every request."""
+def write_json(path: str, placement, world: int, kv: list[int], state: list[int], prompts,
+               results, texts) -> None:
+    """The run as JSON: P, mode (None at P = 1), world, KV and linear-attention state bytes per
+    rank (state: 0 unless the model is hybrid), every request."""
     record = {"P": placement.size, "mode": placement.mode if placement.size > 1 else None,
-              "world": world, "kv_bytes_per_rank": kv,
+              "world": world, "kv_bytes_per_rank": kv, "state_bytes_per_rank": state,
               "results": [{"index": r.index, "prompt_ids": list(prompts[r.index]),
                            "token_ids": list(r.token_ids), "finish_reason": r.finish_reason,
                            "text": text} for r, text in zip(results, texts)]}

@@ -1,7 +1,9 @@
 """Checkpoints written with ``save_pretrained`` for the from_pretrained tests: a tiny Qwen3 (tied
 embeddings, one KV head, q/k/v and o_proj biases; one file), a tiny DeepSeek-V3 (MLA, MoE experts
 stored per expert as Hugging Face checkpoints hold them; several files and an index) and, for
-``big=True``, a 59 MB Qwen3 in files of at most 4 MB."""
+``big=True``, a 59 MB Qwen3 in files of at most 4 MB; and the hybrids: a tiny Qwen3-Next (MoE)
+and a tiny multimodal Qwen3.5 (``Qwen3_5ForConditionalGeneration``: its text model's keys are
+``model.language_model.*``, beside a vision tower torch_cp never loads)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from driver import HYBRID, TINY
 from driver import tiny_model as tiny_gqa
 from mla_models import tiny_config as mla_config
 from mla_models import tiny_model as tiny_mla
@@ -31,10 +34,35 @@ def deepseek_v3():
     return tiny_mla(config)
 
 
+def qwen3_next():
+    return tiny_gqa("qwen3_next", num_key_value_heads=1)
+
+
+def qwen3_5_multimodal():
+    """The multimodal Qwen3.5 with a one-block vision tower; AutoModelForCausalLM reads its
+    text model alone (``Qwen3_5ForCausalLM``)."""
+    text = {k: v for k, v in {**TINY, **HYBRID}.items() if not k.endswith("token_id")}
+    config = transformers.Qwen3_5Config(
+        text_config=dict(text, num_key_value_heads=1),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=TINY["hidden_size"]))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model
+
+
 def save_checkpoints(root: Path, big: bool = False) -> dict[str, str]:
     """name -> checkpoint folder under ``root``."""
-    paths = {name: str(root / name) for name in ("qwen3", "deepseek_v3", "big")}
+    paths = {name: str(root / name) for name in ("qwen3", "deepseek_v3", "big", "qwen3_next",
+                                                 "qwen3_5")}
     qwen3().save_pretrained(paths["qwen3"])
+    qwen3_next().save_pretrained(paths["qwen3_next"])
+    qwen3_5_multimodal().save_pretrained(paths["qwen3_5"])
     deepseek_v3().save_pretrained(paths["deepseek_v3"], max_shard_size="40KB")
     if big:
         with torch.random.fork_rng():

@@ -211,3 +211,23 @@ def test_a_usage_error_is_one_line_with_argparses_code(capsys):
         cli(["--mode", "both"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith("torch_cp: error: argument --mode: invalid choice")
+
+
+def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
+    """A Qwen3.5 checkpoint: the unpatched model's tokens, and the linear-attention state bytes
+    beside the KV bytes (in the JSON too)."""
+    import torch
+    from driver import tiny_model
+
+    model = tiny_model("qwen3_5_text")
+    model.save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "run.json"
+    out = run([sys.executable, "-m", "torch_cp", "--model", str(tmp_path / "ckpt"), "--prompt",
+               "1 2 3 4 5", "--max-new-tokens", "5", "--page-size", "4", "--no-progress",
+               "--json", str(path)])
+    want = model.generate(torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=5, do_sample=False)
+    assert parse(out)[0] == [want[0, 5:].tolist()]
+    record = json.loads(path.read_text())
+    state = record["state_bytes_per_rank"]
+    assert state[0] > 0 and f"KV bytes rank 0: {record['kv_bytes_per_rank'][0]}, " \
+        f"linear-attention state bytes: {state[0]}" in out

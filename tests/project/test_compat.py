@@ -69,3 +69,16 @@ def test_moe_experts_dispatch_on_the_config_attribute_torch_cp_switches():
         "config._experts_implementation moved"
     compat.set_experts_implementation(model, experts, "batched_mm")
     assert {compat.experts_implementation(e) for e in experts} == {"batched_mm"}
+
+
+def test_the_reference_gated_delta_rules_are_transformers_torch_functions():
+    """``compat.torch_gated_delta_rules`` unwraps the decorator that sends the module-level
+    names to flash-linear-attention when it is installed: the reference must stay torch."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    chunk, recurrent = compat.torch_gated_delta_rules()
+    for fn, name in ((chunk, "torch_chunk_gated_delta_rule"),
+                     (recurrent, "torch_recurrent_gated_delta_rule")):
+        assert fn.__module__ == m.__name__ and fn.__name__ == name, fn
+        assert not hasattr(fn, "__wrapped__"), f"{name} is still wrapped"
+    assert compat.activation("silu")(torch.tensor([0.0])).item() == 0.0

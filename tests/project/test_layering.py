@@ -51,6 +51,8 @@ RULES = [  # (importer, imported, why)
     ("torch_cp.engine", "torch_cp.attention", "the engine reaches kernels through the backend"),
     ("torch_cp.attention", "torch_cp.hf", "attention must not know Hugging Face"),
     ("torch_cp.kv", "torch_cp.engine", "pools must not know the engine"),
+    ("torch_cp.state", "torch_cp.engine", "the state pool must not know the engine"),
+    ("torch_cp.state", "torch_cp.hf", "the state kernels must not know Hugging Face"),
     ("torch_cp.plan", "torch_cp.engine", "the plan must not know the engine"),
     ("torch_cp.models", "torch_cp.hf", "families get (pool, plan), not the cache adapter"),
     ("torch_cp.graphs", "torch_cp.models", "graphs/ must not reach the model registry"),
