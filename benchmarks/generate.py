@@ -1,8 +1,11 @@
 """End-to-end generation: torch_cp against the Hugging Face ways of generating, in one run.
 
-Models (random bf16 weights, built on the GPU): Qwen3-8B's shape, and an MLA model of similar size
-(DeepSeek-V3 attention, kv_lora_rank 512, rope 64, dense MLPs; see ``benchmarks.models``). For
-each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EOS) from:
+Models (random bf16 weights, built on the GPU; see ``benchmarks.models``): Qwen3-8B's shape, an
+MLA model of similar size (DeepSeek-V3 attention, kv_lora_rank 512, rope 64, dense MLPs), the MoE
+models ``qwen3_moe`` and ``glm_flash``, and ``qwen3_5`` (Qwen3.5-9B's text model: gated DeltaNet
+and full attention; torch_cp runs its linear attention with flash-linear-attention's kernels
+beside FlashInfer, as Hugging Face does when fla is installed). For each prompt length and batch
+size, exactly ``--new-tokens`` greedy tokens (no EOS) from:
 
 - ``torch_cp``: ``torch_cp.Engine(..., cuda_graphs=True)`` over a patched model (P = 1,
   FlashInfer), the engine ``torch_cp.generate`` builds; one engine (one capture) per block;
@@ -18,19 +21,23 @@ each prompt length and batch size, exactly ``--new-tokens`` greedy tokens (no EO
 - ``compiled_loop``: a static-cache decode loop under
   ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (warm-up run per shape first).
 
-Each decode step is set against its memory roofline: (weight bytes + KV bytes read) / the copy
-bandwidth measured in the same run. ``--plan`` orders the runs (``model:prompt:systems;...``);
-``--budget-s`` skips what would not finish, and says so in the JSON (a compiled peer compiles once
-per new shape: about 50 s for the first and 85 s for the dynamic-shape recompile on an H200).
+Each decode step is set against its memory roofline: (weight bytes + KV bytes read + a hybrid's
+linear-attention state, read and written) / the copy bandwidth measured in the same run.
+``--plan`` orders the runs (``model:prompt:systems;...``); ``--budget-s`` skips what would not
+finish, and says so in the JSON (a compiled peer compiles once per new shape: about 50 s for the
+first and 85 s for the dynamic-shape recompile on an H200).
 
     python -m benchmarks.generate --out benchmarks/results/generate.json
     python -m benchmarks.generate --smoke --plan "qwen3:16:torch_cp,hf_static" --batches 1,3 \
         --new-tokens 6                                # CPU, tiny models, torch backend
+    python -m benchmarks.generate --plan "qwen3_5:512:torch_cp_compiled,hf_static" \
+        --batches 1,32,64 --new-tokens 64 --budget-s 540   # Qwen3.5 (one H200; then 4096)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import inspect
 import time
 import traceback
@@ -70,6 +77,7 @@ class TorchCP:
         self.engine = torch_cp.Engine(model, max_batch * per_row, PAGE, **kwargs)
         self.setup_s = time.perf_counter() - start
         self.model = model
+        self.hybrid = getattr(self.engine, "state", None) is not None
 
     def run(self, prompts: list[list[int]], new_tokens: int, device) -> Timing:
         batch, prompt = len(prompts), len(prompts[0])
@@ -125,7 +133,8 @@ def hf_fits(config, batch: int, length: int, device) -> str | None:
     """Why Hugging Face's own cache for this shape cannot fit (None: it may)."""
     if device.type != "cuda":
         return None
-    need = models.hf_cache_bytes_per_token(config, torch.bfloat16) * batch * length
+    need = (models.hf_cache_bytes_per_token(config, torch.bfloat16) * length
+            + models.state_bytes_per_request(config, torch.bfloat16)) * batch
     free, _ = torch.cuda.mem_get_info(device)
     if need > 0.7 * free:
         return (f"Hugging Face's cache would need {need / 2**30:.0f} GiB "
@@ -199,7 +208,8 @@ def parse_plan(text: str) -> list[tuple[str, int, list[str]]]:
 def model_info(name: str, model, dtype, build_s: float) -> dict:
     return dict(model=name, build_s=build_s, params=sum(p.numel() for p in model.parameters()),
                 weight_bytes_read={},  # per batch size, filled as blocks start
-                kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype))
+                kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype),
+                state_bytes_per_request=models.state_bytes_per_request(model.config, dtype))
 
 
 def run_block(results: Results, budget: Budget, model_name: str, model, info: dict,
@@ -215,7 +225,8 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
                         new_tokens=args.new_tokens)
             kv_read = info["kv_bytes_per_token"] * batch * (prompt + args.new_tokens / 2)
             weights = info["weight_bytes_read"][batch]
-            base["roofline_ms"] = (weights + kv_read) / copy_bw * 1e3
+            state_rw = 2 * info["state_bytes_per_request"] * batch  # read and written each step
+            base["roofline_ms"] = (weights + kv_read + state_rw) / copy_bw * 1e3
             if not budget.allows(MIN_SECONDS[system]):
                 results.add(**base, skipped=f"time budget ({budget.left():.0f} s left)")
                 continue
@@ -237,6 +248,8 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
                                             overlap=system != "torch_cp")
                     info[f"{system}_setup_s_{prompt}"] = state[system].setup_s
                     info["torch_cp_cuda_graphs"] = state[system].cuda_graphs
+                    info["torch_cp_linear_kernels"] = getattr(
+                        model.torch_cp, "linear_kernels", None) if state[system].hybrid else None
                 timing, extra = run_system(system, state, model, prompts, args.new_tokens,
                                            device, smoke)
             except Exception as error:
@@ -262,6 +275,16 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
     return records
 
 
+def fla_version() -> str | None:
+    """flash-linear-attention's version (its kernels run a hybrid's linear attention)."""
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON results path")
@@ -280,6 +303,7 @@ def main(argv=None) -> int:
     results.data["plan"] = args.plan
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
+    results.data["versions"]["flash-linear-attention"] = fla_version()
     batches = [int(x) for x in args.batches.split(",")]
     records, model, model_name = [], None, None
     for name, prompt, systems in parse_plan(args.plan):
@@ -298,7 +322,7 @@ def main(argv=None) -> int:
                              copy_bw, device, smoke)
         results.save()
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; step = ms per decode step; roofline = "
-          f"(weights + KV read) / copy bandwidth")
+          f"(weights + KV read + linear-attention state read and written) / copy bandwidth")
     print(table(records, ["model", "system", "prompt", "batch", "tokens_per_s", "step_ms",
                           "roofline_ms", "step_over_roofline", "ttft_s", "peak_gib"]))
     return 0

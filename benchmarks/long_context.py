@@ -4,8 +4,10 @@
         --out benchmarks/results/long_context.json
 
 Models (random bf16 weights, ``benchmarks.models``): Qwen3-8B's shape in SP mode (sp = world:
-every rank holds the whole model and 1/P of every request's KV) and the 8B MLA model in TP mode
-(tp = world: weights split, the latent striped over all TP ranks). One job runs one P: P = 1
+every rank holds the whole model and 1/P of every request's KV), the 8B MLA model in TP mode
+(tp = world: weights split, the latent striped over all TP ranks) and, with ``--models
+qwen3_5``, Qwen3.5-9B's hybrid shape in SP mode (its linear-attention state whole on every
+partner, its full-attention KV striped). One job runs one P: P = 1
 with one process, else P = world; each job appends its records to ``--out``, so run P = 1 and
 P = 2 one after the other (a fresh process each, so that neither inherits the other's memory):
 
@@ -47,7 +49,7 @@ from torch_cp.engine.scheduler import Row
 from torch_cp.engine.steps import LaunchedStep
 
 PAGE = 16
-SETUPS = {"qwen3": "sp", "mla": "tp"}
+SETUPS = {"qwen3": "sp", "mla": "tp", "qwen3_5": "sp"}  # Qwen3.5's 4 KV heads: SP mode at P = 2
 
 
 def capacity_tokens(model, device, reserve_gib: float) -> int:
@@ -80,12 +82,15 @@ class Decoder:
         e = self.engine
         for row in range(batch):
             assert e.allocator.reserve(row, context + 1)
+            if e.state is not None:  # a hybrid model's linear-attention state slot
+                e.allocator.take_state_slot(row)
         tables = [e.allocator.table_tensor(row) for row in range(batch)]
+        slots = [e.allocator.state_slot(row) for row in range(batch)] if e.state else None
         ids, rows = [1] * batch, list(range(batch))
         following = [Row(row, context, 1, samples=True) for row in range(batch)]
 
         def step() -> LaunchedStep:
-            planned = e.launcher.plan(following, tables)
+            planned = e.launcher.plan(following, tables, slots)
             self.replayed = planned.plan.bucket is not None
             launched = LaunchedStep(following, rows, e.launcher.launch(planned, ids, rows))
             launched.send_ids_home(greedy_tokens(launched.logits))
@@ -159,6 +164,7 @@ def run_p(name: str, p: int, mesh, args, device, results: Results, rank: int) ->
                   flush=True)
         base["kv_bytes_per_rank_per_token"] = decoder.engine.kv_bytes / (
             (decoder.engine.allocator.num_pages + 1) * PAGE)
+        base["state_bytes_per_rank"] = decoder.engine.state_bytes
     for (context, batch) in need:
         record = dict(base, context=context, batch=batch)
         if (context, batch) not in fits:

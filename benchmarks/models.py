@@ -1,6 +1,7 @@
-"""The benchmarked models: Qwen3-8B's shape and an MLA model of similar size, random bf16 weights
-built on the device (no download), plus tiny CPU versions for ``--smoke``; and the bytes a decode
-step must read, for the memory roofline."""
+"""The benchmarked models: Qwen3-8B's shape, an MLA model of similar size, two MoE models and
+Qwen3.5 (a hybrid of gated DeltaNet and full attention), random bf16 weights built on the device
+(no download), plus tiny CPU versions for ``--smoke``; and the bytes a decode step must read (and,
+for a hybrid's linear-attention state, write), for the memory roofline."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     Glm4MoeLiteConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -39,6 +41,14 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 # GLM-4.7-Flash (glm4_moe_lite; transformers' config defaults are its config.json): MLA with
 # kv_lora 512 / rope 64, 64 experts of 1536 channels, top 4, one shared expert, layer 0 dense.
 GLM_FLASH = dict(rope_scaling=None)
+# Qwen3.5 (transformers' Qwen3_5TextConfig defaults, the text model of Qwen/Qwen3.5-9B): 32 layers,
+# gated DeltaNet three to one with full attention (16 q / 4 KV heads of 256, output gate, partial
+# RoPE); linear attention 16 key / 32 value heads of 128, conv kernel 4; 8.95B parameters.
+QWEN3_5 = dict()
+SMOKE_QWEN3_5 = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 SMOKE_QWEN = dict(QWEN3_8B, vocab_size=320, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 SMOKE_MLA = dict(MLA_8B, vocab_size=320, hidden_size=64, intermediate_size=128,
@@ -72,7 +82,9 @@ def config_for(name: str, smoke: bool):
         return Glm4MoeLiteConfig(**{k: v for k, v in fields.items()
                                     if k not in ("num_experts", "head_dim")},
                                  **(dict(num_key_value_heads=4) if smoke else {}))
-    raise ValueError(f"unknown model {name!r}: qwen3, mla, qwen3_moe or glm_flash")
+    if name == "qwen3_5":
+        return Qwen3_5TextConfig(**(SMOKE_QWEN3_5 if smoke else QWEN3_5))
+    raise ValueError(f"unknown model {name!r}: qwen3, mla, qwen3_moe, glm_flash or qwen3_5")
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = False):
@@ -128,15 +140,36 @@ def weight_bytes_read(model, batch: int = 1) -> int:
     return dense + routed_expert_bytes(model, batch)
 
 
+def linear_layers(config) -> int:
+    """A hybrid's linear-attention (gated DeltaNet) layers: they keep a state, not a KV cache."""
+    return sum(t == "linear_attention" for t in getattr(config, "layer_types", None) or ())
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of the smallest cache the attention needs per token, all layers: K and V for GQA,
-    the latent and the rope key for MLA."""
+    """Bytes of the smallest cache the attention needs per token, all attention layers (not a
+    hybrid's linear-attention ones): K and V for GQA, the latent and the rope key for MLA."""
     size = torch.empty((), dtype=dtype).element_size()
-    layers = config.num_hidden_layers
+    layers = config.num_hidden_layers - linear_layers(config)
     if getattr(config, "kv_lora_rank", None):
         return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return layers * 2 * config.num_key_value_heads * head_dim * size
+
+
+def state_bytes_per_request(config, dtype: torch.dtype) -> int:
+    """Bytes of one request's linear-attention state, all linear layers (0 without them): the
+    recurrent ``[value heads, key dim, value dim]`` matrix in float32, which a decode step reads
+    and writes whole, and the conv state (the last ``K - 1`` inputs of the q, k and v channels)
+    in the model's dtype."""
+    layers = linear_layers(config)
+    if not layers:
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    recurrent = hv * dk * dv * 4
+    conv = (2 * hk * dk + hv * dv) * (config.linear_conv_kernel_dim - 1) * size
+    return layers * (recurrent + conv)
 
 
 def hf_cache_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -69,8 +69,8 @@ class ModelRuntime:
 
 
 def new_state_pool(runtime: ModelRuntime, num_slots: int) -> StatePool | None:
-    """A state pool of ``num_slots`` request slots (plus the sink slot) for a hybrid model's
-    linear-attention layers; None for a model without them."""
+    """A state pool of ``num_slots`` request slots (plus the sink and zero slots) for a hybrid
+    model's linear-attention layers; None for a model without them."""
     if runtime.linear is None:
         return None
     return StatePool(runtime.linear, num_slots, runtime.dtype, runtime.device)

@@ -65,6 +65,10 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     Norm weights start at one, so q_norm and k_norm (or any two norms) would be interchangeable:
     each gets ``1 + 0.2 * randn``, drawn after the biases.
 
+    Hybrid models' per-head ``dt_bias`` (all ones at init) is drawn last, from a generator of its
+    own (the other draws stay as they were), so a value head that took another head's decay
+    would show.
+
     Biases per family (transformers 5): qwen2, glm, glm4 have q/k/v biases always; qwen3,
     qwen3_moe have q/k/v and o_proj biases with ``attention_bias=True`` (the only GQA configs
     with an o_proj bias); glm4_moe has q/k/v biases with ``attention_bias=True``. No MLP or
@@ -80,6 +84,10 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+        decay = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith(".dt_bias"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=decay))
     return model
 
 

@@ -9,7 +9,10 @@ from transformers import (
     DeepseekV3Config,
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from torch_cp import tiny_qwen3
@@ -107,6 +110,40 @@ def deepseek_v3(dtype):
 MOE_MODELS = {"qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "glm4_moe_lite": glm4_moe_lite,
               "deepseek_v3": deepseek_v3}
 MODELS = {"qwen3": qwen3, "mla": deepseek_mla, **MOE_MODELS}
+
+
+# Hybrids (gated DeltaNet layers around a full-attention one; the state index, pool index and
+# decoder layer index all differ): full attention as GQA_MOE's (4 q / 1 KV head of 128, FlashInfer's
+# prebuilt kernels), linear attention 2 key / 4 value heads of 128 (the real models' head size,
+# so flash-linear-attention's Triton kernels run on the shapes they are tuned for), conv kernel 4.
+HYBRID = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+              layer_types=["linear_attention", "full_attention", "linear_attention"],
+              num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+              linear_value_head_dim=128, linear_conv_kernel_dim=4, initializer_range=0.15,
+              max_position_embeddings=512, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+# Every layer MoE: eight experts of 64 channels, top 2, and the gated shared expert.
+HYBRID_MOE = dict(HYBRID, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                  num_experts=8, num_experts_per_tok=2)
+
+
+def qwen3_5(dtype):
+    return _random(Qwen3_5TextConfig(**HYBRID), dtype)
+
+
+def qwen3_5_moe(dtype):  # every layer MoE: no intermediate_size
+    fields = {k: v for k, v in HYBRID_MOE.items() if k != "intermediate_size"}
+    return _random(Qwen3_5MoeTextConfig(**fields), dtype)
+
+
+def qwen3_next(dtype):
+    return _random(Qwen3NextConfig(**HYBRID_MOE, norm_topk_prob=True, decoder_sparse_step=1,
+                                   mlp_only_layers=[]), dtype)
+
+
+# Not in MODELS: the whole-step graph harness (graph_harness.py) has no state pool.
+HYBRID_MODELS = {"qwen3_5_text": qwen3_5, "qwen3_5_moe_text": qwen3_5_moe,
+                 "qwen3_next": qwen3_next}
 
 
 def near_tie(gap: float, magnitude: float) -> bool:

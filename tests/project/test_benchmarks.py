@@ -38,12 +38,13 @@ def test_attention_benchmark(tmp_path):
 
 def test_generate_benchmark_with_every_torch_cp_system_and_a_peer(tmp_path):
     run(["-m", "benchmarks.generate", "--smoke", "--plan",
-         "qwen3:16:torch_cp,torch_cp_overlap,hf_dynamic;mla:16:torch_cp", "--batches", "1,2",
+         "qwen3:16:torch_cp,torch_cp_overlap,hf_dynamic;mla:16:torch_cp;qwen3_5:16:torch_cp",
+         "--batches", "1,2",
          "--new-tokens", "4", "--out", str(tmp_path / "g.json")])
     rows = records(tmp_path / "g.json")
     assert {(r["model"], r["system"]) for r in rows} == {
         ("qwen3", "torch_cp"), ("qwen3", "torch_cp_overlap"), ("qwen3", "hf_dynamic"),
-        ("mla", "torch_cp")}
+        ("mla", "torch_cp"), ("qwen3_5", "torch_cp")}
     assert all(r.get("tokens_per_s") for r in rows), [r for r in rows if "error" in r]
 
 
@@ -51,13 +52,16 @@ def test_long_context_benchmark_at_one_and_two_ranks(tmp_path):
     out = tmp_path / "l.json"
     for p in (1, 2):
         run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}",
-             "-m", "benchmarks.long_context", "--smoke", "--iters", "2", "--out", str(out)])
+             "-m", "benchmarks.long_context", "--smoke", "--iters", "2", "--models",
+             "qwen3,mla,qwen3_5", "--out", str(out)])
     rows = records(out)
-    assert {(r["model"], r["P"]) for r in rows} == {("qwen3", 1), ("qwen3", 2), ("mla", 1),
-                                                    ("mla", 2)}
+    assert {(r["model"], r["P"]) for r in rows} == {(m, p) for m in ("qwen3", "mla", "qwen3_5")
+                                                    for p in (1, 2)}
     assert all(r.get("step_ms") for r in rows)
     half = {(r["model"], r["P"]): r["kv_bytes_per_rank_per_token"] for r in rows}
-    assert half["qwen3", 2] * 2 == half["qwen3", 1] and half["mla", 2] * 2 == half["mla", 1]
+    assert all(half[m, 2] * 2 == half[m, 1] for m in ("qwen3", "mla", "qwen3_5"))
+    state = {(r["model"], r["P"]): r["state_bytes_per_rank"] for r in rows}
+    assert state["qwen3_5", 2] == state["qwen3_5", 1] > 0  # SP mode: the whole state each
 
 
 def test_prefill_profile_sets_torch_cp_beside_hugging_face(tmp_path):

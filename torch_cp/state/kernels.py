@@ -4,12 +4,13 @@
   conv state (its last ``K - 1`` inputs), which it then replaces.
 - ``delta_rule_step``: the gated delta rule from each row's recurrent state, which it replaces.
 
-A row whose context is empty (``fresh``) starts from zeros: its slot may hold a finished
-request's state. ``torch.where`` picks the zeros, so NaN left in a slot (the sink slot of
-padding rows) never propagates. A decode step (one token per row, padding rows included) runs
-every row at once from device tensors only, so a CUDA graph can hold it; other steps go row by
-row on host lengths (``qo_indptr`` is read once per step and layer) or, with flash-linear-
-attention, through its variable-length kernel.
+A row whose context is empty (``fresh``: a new request, a padding row) starts from zeros: it
+reads the pool's last slot, which holds zeros and is never written (``StatePool.zero_slot``),
+not its own, which may hold a finished request's state or NaN; so no pass clears anything and
+each step moves each row's state once in and once out. A decode step (one token per row, padding
+rows included) runs every row at once from device tensors only, so a CUDA graph can hold it;
+other steps go row by row on host lengths (``qo_indptr`` is read once per step and layer) or,
+with flash-linear-attention, through its variable-length kernel.
 
 Kernels: ``"torch"``, transformers' own torch implementations (the reference: what the
 unpatched model runs on a CPU), or ``"fla"``, flash-linear-attention's Triton kernels (what
@@ -35,10 +36,9 @@ def fla_available() -> bool:
 
 
 def _start(states: torch.Tensor, slots_b: torch.Tensor, fresh_b: torch.Tensor) -> torch.Tensor:
-    """The state each row starts from: its slot's, or zeros for a fresh row."""
-    picked = states.index_select(0, slots_b)
-    fresh = fresh_b.view(-1, *([1] * (picked.dim() - 1)))
-    return torch.where(fresh, torch.zeros((), dtype=picked.dtype, device=picked.device), picked)
+    """The state each row starts from: its slot's, or the zero slot's (the last) when fresh."""
+    zero_slot = torch.full_like(slots_b, states.shape[0] - 1)
+    return states.index_select(0, torch.where(fresh_b, zero_slot, slots_b))
 
 
 def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -50,8 +50,9 @@ def conv_step(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
               decode: bool, activation: str) -> torch.Tensor:
     """Causal depthwise conv of packed inputs ``x_nc`` [N, C] with ``weight_ck`` [C, K].
 
-    ``states`` [slots, C, K - 1]: one layer's conv states, updated in place for each row's slot
-    ``slots_b`` [B]. Returns the activated conv output [N, C] (tokens past the rows: zeros).
+    ``states`` [slots, C, K - 1]: one layer's conv states (the last slot: zeros, never written),
+    updated in place for each row's slot ``slots_b`` [B]. Returns the activated conv output
+    [N, C] (tokens past the rows: zeros).
     """
     width = weight_ck.shape[1] - 1
     prev_bck = _start(states, slots_b, fresh_b)
@@ -82,7 +83,8 @@ def delta_rule_step(q_nhk: torch.Tensor, k_nhk: torch.Tensor, v_nhv: torch.Tenso
                     decode: bool, kernels: str) -> torch.Tensor:
     """Gated delta rule (q and k L2-normalised in the kernel, as the models call it) of packed
     rows: q, k [N, Hk, Dk], v [N, Hv, Dv], g (log decay) and beta [N, Hv]. ``states``
-    [slots, Hv, Dk, Dv] float32: one layer's recurrent states, updated in place. Returns
+    [slots, Hv, Dk, Dv] float32: one layer's recurrent states (the last slot: zeros, never
+    written), updated in place. Returns
     [N, Hv, Dv] in v's dtype (tokens past the rows: zeros)."""
     h0_bhkv = _start(states, slots_b, fresh_b)
     chunk, recurrent = _functions(kernels)

@@ -4,7 +4,10 @@ Linear-attention layers (gated DeltaNet) carry a fixed-size state instead of a g
 the last ``K - 1`` inputs of a short causal conv, and a recurrent ``[v_heads, k_dim, v_dim]``
 matrix per head. It is never striped: in TP mode a rank holds its share of the heads (split like
 any head), in SP mode every partner holds the same state and computes it the same way. Slot
-``num_slots`` is the sink slot that padding rows of a captured bucket read and write.
+``num_slots`` is the sink slot that padding rows of a captured bucket write, and the last slot,
+``num_slots + 1``, holds zeros and is never written: a row with no context (a new request, a
+padding row) starts from it, so a reused slot needs no clearing and its old contents (NaN
+included) are never read.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ class LinearGeometry:
 
 
 class StatePool:
-    """Every linear layer's state: ``conv`` [layers, slots + 1, channels, K - 1] in the model's
+    """Every linear layer's state: ``conv`` [layers, slots + 2, channels, K - 1] in the model's
     dtype (the inputs the conv saw last, as transformers keeps them) and ``recurrent``
-    [layers, slots + 1, v_heads, k_dim, v_dim] in float32 (what the gated delta rule kernels
-    accumulate in). Slot ``sink_slot = num_slots`` belongs to padding rows.
+    [layers, slots + 2, v_heads, k_dim, v_dim] in float32 (what the gated delta rule kernels
+    accumulate in). Slot ``sink_slot = num_slots`` belongs to padding rows; slot
+    ``zero_slot = num_slots + 1`` stays zero (the start of every row without context).
 
     Args:
         geometry: this rank's linear-attention shapes.
@@ -63,9 +67,10 @@ class StatePool:
         self.geometry = g
         self.num_slots = num_slots
         self.sink_slot = num_slots
-        self.conv = torch.zeros(g.layers, num_slots + 1, g.conv_channels, g.conv_kernel - 1,
+        self.zero_slot = num_slots + 1
+        self.conv = torch.zeros(g.layers, num_slots + 2, g.conv_channels, g.conv_kernel - 1,
                                 dtype=dtype, device=device)
-        self.recurrent = torch.zeros(g.layers, num_slots + 1, g.v_heads, g.k_dim, g.v_dim,
+        self.recurrent = torch.zeros(g.layers, num_slots + 2, g.v_heads, g.k_dim, g.v_dim,
                                      dtype=torch.float32, device=device)
 
     @property
@@ -74,5 +79,5 @@ class StatePool:
 
     @property
     def bytes(self) -> int:
-        """Bytes of this rank's state pool (the sink slot included)."""
+        """Bytes of this rank's state pool (the sink and zero slots included)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
