@@ -91,6 +91,7 @@ def fla_calls(monkeypatch):
     calls = {"chunk": 0, "recurrent": 0, "chunk_rows": 0}
 
     def counted(key, fn):
+        @functools.wraps(fn)  # transformers passes the keywords fn's signature names
         def wrapper(*args, **kwargs):
             calls[key] += 1
             if kwargs.get("cu_seqlens") is not None:
@@ -121,15 +122,16 @@ def padding_rows_seen(engine) -> list[int]:
 
 
 def poison(engine, used: set[int]) -> None:
-    """NaN in every state slot (between runs all are free: every real row starts fresh, from
-    zeros), on the sink page, and as the padding rows' token (an id outside ``used``) embedding,
-    so padding rows compute NaN in every layer and write it to the sink slot and page."""
+    """NaN in every state slot but the zero slot (between runs all are free: every real row starts
+    fresh, from the zero slot, never reading its own), on the sink page, and as the padding
+    rows' token (an id outside ``used``) embedding, so padding rows compute NaN in every
+    layer and write it to the sink slot and page."""
     embed = engine.model.get_input_embeddings().weight
     assert embed is not engine.model.get_output_embeddings().weight, "no NaN logits"
     nan_id = max(set(range(embed.shape[0])) - used)
     with torch.inference_mode():
-        engine.state.conv.fill_(float("nan"))
-        engine.state.recurrent.fill_(float("nan"))
+        engine.state.conv[:, :engine.state.zero_slot] = float("nan")
+        engine.state.recurrent[:, :engine.state.zero_slot] = float("nan")
         engine.pool.kv[:, engine.pool.sink_page] = float("nan")
         embed[nan_id] = float("nan")
     engine.runner.pad_token_id = nan_id
