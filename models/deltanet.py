@@ -85,20 +85,21 @@ def _project(mod: nn.Module, x_nd: torch.Tensor):
 def linear_forward(mod: nn.Module, x_nd: torch.Tensor, state: StatePool, plan,
                    kernels: str) -> torch.Tensor:
     """The gated DeltaNet of N packed tokens, reading and replacing each row's state in
-    ``state`` (slots ``plan.state_slots``; a row with no context starts from zeros). [N, hidden]
-    -> [N, hidden] (a row-parallel ``out_proj`` reduces over TP itself)."""
+    ``state`` (planned for ``plan``: slots ``plan.state_slots``; a row with no context starts
+    from zeros). [N, hidden] -> [N, hidden] (a row-parallel ``out_proj`` reduces over TP
+    itself)."""
     n = x_nd.shape[0]
     layer = mod.cp_state_layer
-    fresh_b = plan.ctx_lens == 0
+    assert state.step is plan, "the state pool was planned for this step (PagedKVCache)"
     qkv_nc, z_nhv, b_nh, a_nh = _project(mod, x_nd)
-    mixed_nc = state_conv(qkv_nc, mod.conv1d.weight[:, 0], state.conv, layer, plan.state_slots,
-                          fresh_b, plan.qo_indptr, plan.is_decode, mod.activation)
+    mixed_nc = state_conv(qkv_nc, mod.conv1d.weight[:, 0], state.conv, layer, state.handle,
+                          mod.activation)
     q, k, v = torch.split(mixed_nc, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     beta_nh = b_nh.sigmoid()
     g_nh = -mod.A_log.float().exp() * F.softplus(a_nh.float() + mod.dt_bias)
     core_nhv = state_delta_rule(
         q.reshape(n, -1, mod.head_k_dim), k.reshape(n, -1, mod.head_k_dim),
-        v.reshape(n, -1, mod.head_v_dim), g_nh, beta_nh, state.recurrent, layer,
-        plan.state_slots, fresh_b, plan.qo_indptr, plan.is_decode, kernels)
+        v.reshape(n, -1, mod.head_v_dim), g_nh, beta_nh, state.recurrent, layer, state.handle,
+        kernels)
     core = mod.norm(core_nhv.reshape(-1, mod.head_v_dim), z_nhv.reshape(-1, mod.head_v_dim))
     return mod.out_proj(core.reshape(n, -1))

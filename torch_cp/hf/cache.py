@@ -67,6 +67,8 @@ class PagedKVCache(Cache):
                              "takes them): build_step_plan(..., state_slots=, sink_slot=)")
         self.plan = plan
         self.runtime.backend.plan(plan)
+        if self.state is not None:
+            self.state.begin_step(plan)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise RuntimeError("PagedKVCache.update was called: only attention modules patched by "

@@ -80,12 +80,13 @@ def conv_step(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
 def delta_rule_step(q_nhk: torch.Tensor, k_nhk: torch.Tensor, v_nhv: torch.Tensor,
                     g_nh: torch.Tensor, beta_nh: torch.Tensor, states: torch.Tensor,
                     slots_b: torch.Tensor, fresh_b: torch.Tensor, qo_indptr: torch.Tensor,
-                    decode: bool, kernels: str) -> torch.Tensor:
+                    decode: bool, kernels: str, qo_indptr_host: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Gated delta rule (q and k L2-normalised in the kernel, as the models call it) of packed
     rows: q, k [N, Hk, Dk], v [N, Hv, Dv], g (log decay) and beta [N, Hv]. ``states``
     [slots, Hv, Dk, Dv] float32: one layer's recurrent states (the last slot: zeros, never
-    written), updated in place. Returns
-    [N, Hv, Dv] in v's dtype (tokens past the rows: zeros)."""
+    written), updated in place. ``qo_indptr_host``: the same bounds on the host (no device
+    read). Returns [N, Hv, Dv] in v's dtype (tokens past the rows: zeros)."""
     h0_bhkv = _start(states, slots_b, fresh_b)
     chunk, recurrent = _functions(kernels)
     common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -96,14 +97,14 @@ def delta_rule_step(q_nhk: torch.Tensor, k_nhk: torch.Tensor, v_nhv: torch.Tenso
         return out[:, 0].to(v_nhv.dtype)
     out_nhv = torch.zeros_like(v_nhv)
     rows = slots_b.shape[0]
+    bounds = (qo_indptr if qo_indptr_host is None else qo_indptr_host).tolist()
     if kernels == "fla":
-        end = int(qo_indptr[rows])
+        end = bounds[rows]
         out, h_bhkv = chunk(q_nhk[None, :end], k_nhk[None, :end], v_nhv[None, :end],
                             g=g_nh[None, :end], beta=beta_nh[None, :end], initial_state=h0_bhkv,
                             cu_seqlens=qo_indptr[: rows + 1].long(), **common)
         out_nhv[:end] = out[0].to(v_nhv.dtype)
     else:
-        bounds = qo_indptr.tolist()
         h_bhkv = torch.empty_like(h0_bhkv)
         for b in range(rows):
             s, e = bounds[b], bounds[b + 1]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_cp.state.ops import register_pool
+
 
 @dataclass(frozen=True)
 class LinearGeometry:
@@ -72,6 +74,13 @@ class StatePool:
                                 dtype=dtype, device=device)
         self.recurrent = torch.zeros(g.layers, num_slots + 2, g.v_heads, g.k_dim, g.v_dim,
                                      dtype=torch.float32, device=device)
+        self.step = None  # the step plan of the forward about to run (begin_step)
+        self.handle = register_pool(self)
+
+    def begin_step(self, plan) -> None:
+        """Make ``plan`` (a ``StepPlan`` with ``state_slots``) the step the state ops run: they
+        read its slots, context lengths and row bounds (a captured step: its static buffers)."""
+        self.step = plan
 
     @property
     def tensors(self) -> list[torch.Tensor]:
