@@ -21,11 +21,15 @@ from torch_cp.tp import keep_entries, keep_in_features, keep_out_features, rank_
 
 
 def linear_head_problems(config, tp: int) -> list[str]:
-    """Linear-attention heads must split evenly over ``tp``."""
-    return [f"{n} linear-attention {what} heads (linear_num_{what}_heads) do not split evenly "
-            f"over tp = {tp}" for what, n in (("key", config.linear_num_key_heads),
-                                             ("value", config.linear_num_value_heads))
-            if n % tp]
+    """Linear-attention heads must split evenly over ``tp``, and each key head serve a whole
+    number of value heads."""
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    problems = [f"{n} linear-attention {what} heads (linear_num_{what}_heads) do not split "
+                f"evenly over tp = {tp}" for what, n in (("key", hk), ("value", hv)) if n % tp]
+    if hv % hk:
+        problems.append(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads "
+                        f"{hk}")
+    return problems
 
 
 def linear_geometry(config, tp: int) -> LinearGeometry:

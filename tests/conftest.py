@@ -2,7 +2,8 @@
 tests marked ``gpu`` skipped without CUDA, one intra-op thread.
 
 The folders mirror the package: core/ (placement, plan, mesh, configuration), kv/, attention/,
-hf/ (patching, the cache, model.generate), models/ (the families), engine/, graphs/ and
+state/ (hybrid models' state kernels), hf/ (patching, the cache, model.generate), models/ (the
+families), engine/, graphs/ and
 project/ (layering, private hooks, benchmarks, notebook, the NCCL launcher).
 """
 

@@ -6,6 +6,7 @@ prompts, so the plans differ only by placement and every rank issues the same co
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ def tiny_config(model_type: str, **overrides):
     """A 2-layer, hidden-64 config of ``model_type`` whose greedy top-2 logit gaps stay large in
     fp32 (initializer_range 0.15), with no token that stops generation."""
     cls, extra = CONFIGS[model_type]
-    return cls(**{**TINY, **extra, **overrides})
+    return cls(**copy.deepcopy({**TINY, **extra, **overrides}))  # no list shared between configs
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):

@@ -172,3 +172,11 @@ def test_engine_takes_a_hybrid_without_them(hybrid):
     """The refusals are the hybrid's: the same model runs in an Engine without them."""
     engine = torch_cp.Engine(hybrid, num_pages=8, max_rows=2)
     assert engine.allocator.state_slots == 2 and engine.state.num_slots == 2
+
+
+def test_value_heads_must_be_a_multiple_of_key_heads():
+    """A value head reads key head ``j // (Hv / Hk)``: a ratio that is not whole is refused."""
+    model = tiny_model("qwen3_5_text", linear_num_key_heads=2, linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="linear_num_value_heads 3 is not a multiple of "
+                                         "linear_num_key_heads 2"):
+        torch_cp.patch_model(model)

@@ -92,6 +92,8 @@ def _layer_problems(model: nn.Module, family: Family) -> list[str]:
 
 
 def _ranges(indices: list[int]) -> str:
+    if not indices:
+        return "none"
     return ", ".join(map(str, indices)) if len(indices) <= 8 else (
         f"{', '.join(map(str, indices[:8]))}, ... ({len(indices)} layers)")
 
