@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_cp.state import LinearGeometry, StatePool
-from torch_cp.state.ops import state_conv, state_delta_rule
 from torch_cp.tp import keep_entries, keep_in_features, keep_out_features, rank_slice
 
 
@@ -86,24 +85,17 @@ def _project(mod: nn.Module, x_nd: torch.Tensor):
     return mod.in_proj_qkv(x_nd), z, mod.in_proj_b(x_nd), mod.in_proj_a(x_nd)
 
 
-def linear_forward(mod: nn.Module, x_nd: torch.Tensor, state: StatePool, plan,
-                   kernels: str) -> torch.Tensor:
+def linear_forward(mod: nn.Module, x_nd: torch.Tensor, state: StatePool, plan) -> torch.Tensor:
     """The gated DeltaNet of N packed tokens, reading and replacing each row's state in
     ``state`` (planned for ``plan``: slots ``plan.state_slots``; a row with no context starts
-    from zeros). [N, hidden] -> [N, hidden] (a row-parallel ``out_proj`` reduces over TP
-    itself)."""
+    from zeros) through the layer's ``cp_state`` (a ``LinearStateLayer``). [N, hidden] ->
+    [N, hidden] (a row-parallel ``out_proj`` reduces over TP itself)."""
     n = x_nd.shape[0]
-    layer = mod.cp_state_layer
     assert state.step is plan, "the state pool was planned for this step (PagedKVCache)"
     qkv_nc, z_nhv, b_nh, a_nh = _project(mod, x_nd)
-    mixed_nc = state_conv(qkv_nc, mod.conv1d.weight[:, 0], state.conv, layer, state.handle,
-                          mod.activation)
-    q, k, v = torch.split(mixed_nc, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     beta_nh = b_nh.sigmoid()
     g_nh = -mod.A_log.float().exp() * F.softplus(a_nh.float() + mod.dt_bias)
-    core_nhv = state_delta_rule(
-        q.reshape(n, -1, mod.head_k_dim), k.reshape(n, -1, mod.head_k_dim),
-        v.reshape(n, -1, mod.head_v_dim), g_nh, beta_nh, state.recurrent, layer, state.handle,
-        kernels)
+    core_nhv = mod.cp_state(qkv_nc, mod.conv1d.weight[:, 0], mod.activation, g_nh, beta_nh,
+                            mod.num_k_heads, mod.head_k_dim, mod.head_v_dim, state)
     core = mod.norm(core_nhv.reshape(-1, mod.head_v_dim), z_nhv.reshape(-1, mod.head_v_dim))
     return mod.out_proj(core.reshape(n, -1))

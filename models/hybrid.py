@@ -130,9 +130,9 @@ class HybridFamily:
         out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, pool, plan)
         return attn.o_proj(out_nhd.reshape(n, -1) * torch.sigmoid(gate_nhd.reshape(n, -1)))
 
-    def linear_forward(self, mod: nn.Module, x_nd: torch.Tensor, state: StatePool, plan,
-                       kernels: str) -> torch.Tensor:
-        return deltanet.linear_forward(mod, x_nd, state, plan, kernels)
+    def linear_forward(self, mod: nn.Module, x_nd: torch.Tensor, state: StatePool,
+                       plan) -> torch.Tensor:
+        return deltanet.linear_forward(mod, x_nd, state, plan)
 
 
 _QWEN35 = "transformers.models.qwen3_5.modeling_qwen3_5"

@@ -212,7 +212,7 @@ def test_unpatch_restores_the_hf_model(model_type, reference):
     torch_cp.patch_model(model, page_size=4)
     greedy(model, PROMPTS, 2)
     torch_cp.unpatch_model(model)
-    assert not any(hasattr(m, "cp_attention") or hasattr(m, "cp_state_layer")
+    assert not any(hasattr(m, "cp_attention") or hasattr(m, "cp_state")
                    or "forward" in m.__dict__ for m in model.modules())
     assert torch.equal(model.generate(ids, **kwargs), before)
     tokens, logits, _ = hf_reference(model, PROMPTS)

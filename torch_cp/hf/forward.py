@@ -55,7 +55,7 @@ def patched_forward(family, attn: nn.Module):
     return forward
 
 
-def patched_linear_forward(family, mod: nn.Module, kernels: str):
+def patched_linear_forward(family, mod: nn.Module):
     """The forward that replaces a hybrid model's linear-attention (gated DeltaNet) module's:
     the family's ``linear_forward`` over the cache's state pool, with the plan's state slots."""
     def forward(hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
@@ -63,6 +63,6 @@ def patched_linear_forward(family, mod: nn.Module, kernels: str):
         plan = paged.plan
         batch, seq, _ = hidden_states.shape
         x_nd = pack_tokens(plan, hidden_states, None)
-        out_nd = family.linear_forward(mod, x_nd, paged.state, plan, kernels)
+        out_nd = family.linear_forward(mod, x_nd, paged.state, plan)
         return unpack_tokens(plan, out_nd, batch, seq)
     return forward

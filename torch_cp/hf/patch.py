@@ -20,6 +20,7 @@ from torch_cp.mesh import AXES, kv_head_replicas, partner_placement
 from torch_cp.placement import ContextParallel
 from torch_cp.runtime import ModelRuntime, runtime_of
 from torch_cp.state.kernels import fla_available
+from torch_cp.state.layer import LinearStateLayer
 from torch_cp.tp import row_parallel, shard_mlp
 
 _ABSENT = object()
@@ -103,8 +104,8 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
         runtime.linear_kernels = linear_kernels(attn_backend.name)
     for state_layer, mod in enumerate(linears):
         runtime.originals.append((mod, mod.__dict__.get("forward", _ABSENT)))
-        mod.cp_state_layer = state_layer
-        mod.forward = patched_linear_forward(family, mod, runtime.linear_kernels)
+        mod.cp_state = LinearStateLayer(state_layer, runtime.linear_kernels)
+        mod.forward = patched_linear_forward(family, mod)
     model.torch_cp = runtime
     model_generate.install_generate(model)
     return model
@@ -124,7 +125,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         del module.forward
         if original is not _ABSENT:
             module.forward = original
-        for name in ("cp_attention", "cp_state_layer"):
+        for name in ("cp_attention", "cp_state"):
             module.__dict__.pop(name, None)
             module._modules.pop(name, None)
     model_generate.uninstall_generate(model)
