@@ -16,7 +16,7 @@ from torch_cp.attention import (
     merge_partials,
 )
 from torch_cp.engine import Engine, Result, SamplingParams, generate
-from torch_cp.engine.memory import kv_bytes_per_rank
+from torch_cp.engine.memory import kv_bytes_per_rank, state_bytes_per_rank
 from torch_cp.hf import (
     GenerateCache,
     PagedKVCache,
@@ -31,7 +31,7 @@ from torch_cp.mesh import init_mesh, kv_head_replicas, partner_placement
 from torch_cp.placement import ContextParallel
 from torch_cp.plan import Bucket, StepPlan, StepRefused, build_step_plan
 from torch_cp.runtime import ModelRuntime
-from torch_cp.tiny import tiny_qwen3
+from torch_cp.tiny import tiny_qwen3, tiny_qwen3_5
 
 __all__ = [
     "AttentionGeometry",
@@ -59,11 +59,13 @@ __all__ = [
     "init_mesh",
     "install_generate",
     "kv_bytes_per_rank",
+    "state_bytes_per_rank",
     "kv_head_replicas",
     "merge_partials",
     "new_cache",
     "partner_placement",
     "patch_model",
     "tiny_qwen3",
+    "tiny_qwen3_5",
     "unpatch_model",
 ]

@@ -1,4 +1,5 @@
-"""A tiny random Qwen3 model: the default of the CLI, the quickstart and the tests.
+"""A tiny random Qwen3 model (the default of the CLI, the quickstart and the tests), and a tiny
+random Qwen3.5 (hybrid: gated DeltaNet layers around a full-attention one) for the quickstart.
 
 It needs no download. One KV head (four query heads) lets TP-mode context parallelism run at
 tp = 2 and 4; ``initializer_range=0.15`` keeps greedy logit gaps large enough in float32 that
@@ -8,7 +9,7 @@ greedy tokens are a stable comparison (see shared/notes/transformers-5.md).
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 TINY_VOCAB = 320
 
@@ -41,6 +42,26 @@ def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def tiny_qwen3_5(seed: int = 0, dtype: torch.dtype = torch.float32,
+                 **overrides) -> Qwen3_5ForCausalLM:
+    """A small Qwen3.5 (``qwen3_5_text``) with random weights drawn from ``seed``: three layers,
+    linear, full and linear attention; the full layer like ``tiny_qwen3``'s (one KV head of 16),
+    the linear ones with 2 key / 4 value heads of 16 and a conv of 4."""
+    fields = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                    "linear_attention"],
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  max_position_embeddings=1024, initializer_range=0.15,
+                  tie_word_embeddings=False)
+    fields.update(overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields))
     return model.to(dtype).eval()
 
 

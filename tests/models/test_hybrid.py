@@ -182,6 +182,10 @@ def test_state_bytes_follow_the_geometry(model_type):
                  + 4 * config.linear_num_value_heads * config.linear_key_head_dim
                  * config.linear_value_head_dim)  # recurrent state, float32
     assert geometry.slot_bytes(torch.float32) == 2 * per_layer  # two linear layers
+    assert torch_cp.state_bytes_per_rank(model, 5) == 5 * 2 * per_layer
+    assert torch_cp.state_bytes_per_rank(config, 5) == 5 * 2 * per_layer  # unpatched: tp = 1
+    assert torch_cp.state_bytes_per_rank(config, 5, tp=2) == 5 * per_layer  # heads split
+    assert torch_cp.state_bytes_per_rank(tiny_model("qwen3"), 5) == 0  # no linear attention
     for max_rows, slots in ((3, 3), (None, 64)):  # None: 64 slots
         engine = torch_cp.Engine(model, num_pages=8, max_rows=max_rows)
         assert engine.state_bytes == geometry.slot_bytes(torch.float32) * (slots + 2)  # sink, zero

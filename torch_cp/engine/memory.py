@@ -1,5 +1,5 @@
-"""KV-cache sizing: bytes per rank from the pool geometry (what context parallelism saves), and
-the pages a batch of requests needs."""
+"""KV-cache sizing: bytes per rank from the pool geometry (what context parallelism saves), a
+hybrid model's linear-attention state per rank, and the pages a batch of requests needs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torch_cp.placement import page_size_problems
+from torch_cp.state import LinearGeometry
 
 
 def _per_slot_elements(model_or_config) -> tuple[int, int, torch.dtype]:
@@ -63,6 +64,36 @@ def kv_bytes_per_rank(model_or_config, tokens: int, partners: int = 1, page_size
     pages = -(-tokens // page_size)
     element = torch.empty((), dtype=dtype).element_size()
     return layers * pages * (page_size // partners) * per_slot * element
+
+
+def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int:
+    """Bytes of linear-attention state one rank holds for ``requests`` running requests of a
+    hybrid model (Qwen3.5, Qwen3-Next); 0 for a model without linear attention. The state is not
+    striped, so P does not divide it: TP splits its heads, SP partners each hold it whole.
+
+    Args:
+        model_or_config: a patched model (its per-rank share), or an unpatched model / config
+            (split over ``tp`` ranks; the conv state in the config's dtype, default float32).
+        requests: running requests (each holds one state slot).
+    """
+    if requests < 0 or tp < 1:
+        raise ValueError(f"need requests >= 0 and tp >= 1, got {requests} and {tp}")
+    runtime = getattr(model_or_config, "torch_cp", None)
+    if runtime is not None:
+        return 0 if runtime.linear is None else requests * runtime.linear.slot_bytes(
+            runtime.dtype)
+    config = getattr(model_or_config, "config", model_or_config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = sum(t == "linear_attention" for t in getattr(config, "layer_types", None) or ())
+    if not layers:
+        return 0
+    dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    geometry = LinearGeometry(layers, config.linear_num_key_heads // tp,
+                              config.linear_num_value_heads // tp, config.linear_key_head_dim,
+                              config.linear_value_head_dim, config.linear_conv_kernel_dim)
+    return requests * geometry.slot_bytes(dtype)
 
 
 def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
