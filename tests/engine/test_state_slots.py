@@ -12,7 +12,7 @@ and page is back.
 
 from __future__ import annotations
 
-from admission import EOS, TOKEN, check_promises, promised
+from admission import EOS, TOKEN, WatchedAllocator, check_promises, promised
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -26,20 +26,6 @@ from torch_cp.engine.scheduler import Request, Scheduler
 from torch_cp.kv import PageAllocator
 
 PAGE_SIZE, NUM_PAGES = 2, 24  # a lifetime (prompt <= 8, new <= 6) takes at most 7 pages
-
-
-class WatchedSlotAllocator(PageAllocator):
-    """Records every refused reservation (``admission.check_promises`` reads ``refused``)."""
-
-    def __init__(self, num_pages: int, page_size: int, state_slots: int):
-        super().__init__(num_pages, page_size, state_slots)
-        self.refused: list[tuple[object, int]] = []
-
-    def reserve(self, request_id, num_tokens: int) -> bool:
-        ok = super().reserve(request_id, num_tokens)
-        if not ok:
-            self.refused.append((request_id, num_tokens))
-        return ok
 
 
 def check_slots(alloc: PageAllocator, scheduler: Scheduler, where: str, admitted: bool) -> None:
@@ -69,7 +55,7 @@ class Slots(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.alloc: WatchedSlotAllocator | None = None
+        self.alloc: WatchedAllocator | None = None
         self.scheduler: Scheduler | None = None
         self.next_index = 0
         self.ahead = None
@@ -77,7 +63,7 @@ class Slots(RuleBasedStateMachine):
     @initialize(slots=st.integers(1, 4), budget=st.integers(1, 12),
                 max_rows=st.sampled_from([None, 1, 2, 3, 6]))
     def start(self, slots, budget, max_rows):
-        self.alloc = WatchedSlotAllocator(NUM_PAGES, PAGE_SIZE, slots)
+        self.alloc = WatchedAllocator(NUM_PAGES, PAGE_SIZE, slots)
         self.scheduler = Scheduler(self.alloc, max_tokens_per_step=budget, max_rows=max_rows)
 
     @rule(requests=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 6)), min_size=1,

@@ -155,3 +155,23 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, num_pages: int 
         for row, t in enumerate(next_ids):
             tokens[row].append(t)
     return GreedyResult(tokens, logits.cpu(), alloc.num_pages, cache.pool.bytes)
+
+
+def left_padded(prompts, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as a left-padded ``[B, L]`` batch of ids and its attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def shape_mesh(sp: int, tp: int, names=("sp", "tp"), device: str = "cpu"):
+    """An (sp, tp) DeviceMesh with no process groups behind it (validation reads only its
+    shape); needs a process group to exist (the ``one_rank_world`` fixture)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device, torch.arange(sp * tp).view(sp, tp), mesh_dim_names=names,
+                      _init_backend=False)

@@ -3,6 +3,7 @@ left-padded batches included."""
 
 import pytest
 import torch
+from driver import left_padded
 
 import torch_cp
 from torch_cp.hf.model_generate import GenerateCache
@@ -10,16 +11,6 @@ from torch_cp.tiny import tiny_qwen3
 
 PROMPTS = [list(range(1, 20)), [200, 3, 150, 7, 99], [42], [(5 * i) % 250 + 3 for i in range(33)]]
 NEW = 10
-
-
-def left_padded(prompts, pad=0):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module")

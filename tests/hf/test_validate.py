@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from driver import tiny_model
+from driver import shape_mesh, tiny_model
 from torch.distributed.device_mesh import DeviceMesh
 
 import torch_cp
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_rank_world")  # tests/hf/conftest.py
 
 
 def mesh(sp: int, tp: int, names=AXES, device: str = "cpu") -> DeviceMesh:
-    return DeviceMesh(device, torch.arange(sp * tp).view(sp, tp), mesh_dim_names=names,
-                      _init_backend=False)
+    return shape_mesh(sp, tp, names, device)
 
 
 def problems_of(model, **kwargs) -> str:

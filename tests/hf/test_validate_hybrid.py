@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from driver import HYBRID_TYPES, tiny_model
+from driver import HYBRID_TYPES, shape_mesh, tiny_model
 from torch.distributed.device_mesh import DeviceMesh
 
 import torch_cp
 from torch_cp.engine import engine as engine_module
 from torch_cp.hf.validate import validate_patch
-from torch_cp.mesh import AXES
 from torch_cp.state.kernels import fla_available
 
 pytestmark = pytest.mark.usefixtures("one_rank_world")  # tests/hf/conftest.py
 
 
 def mesh(sp: int, tp: int) -> DeviceMesh:
-    """A (sp, tp) mesh with no process groups behind it: validation reads only its shape."""
-    return DeviceMesh("cpu", torch.arange(sp * tp).view(sp, tp), mesh_dim_names=AXES,
-                      _init_backend=False)
+    return shape_mesh(sp, tp)
 
 
 def problems_of(model, **kwargs) -> list[str]:

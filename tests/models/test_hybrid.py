@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from driver import HYBRID_TYPES, NEW_TOKENS, PROMPTS, greedy, tiny_model
-from torch.distributed.device_mesh import DeviceMesh
+from driver import HYBRID_TYPES, NEW_TOKENS, PROMPTS, greedy, left_padded, shape_mesh, tiny_model
 
 import torch_cp
-from torch_cp.mesh import AXES
 from torch_cp.state import LinearGeometry
 
 TOL = dict(atol=1e-3, rtol=1e-3)
@@ -119,16 +116,6 @@ def geometry_of(config) -> LinearGeometry:
                           v_heads=config.linear_num_value_heads,
                           k_dim=config.linear_key_head_dim, v_dim=config.linear_value_head_dim,
                           conv_kernel=config.linear_conv_kernel_dim)
-
-
-def left_padded(prompts, pad=0):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("model_type", HYBRID_TYPES)
@@ -224,18 +211,6 @@ def test_unpatch_restores_the_hf_model(model_type, reference):
     torch.testing.assert_close(logits, reference(model_type, PROMPTS)[1], atol=0, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def one_rank_world(tmp_path_factory):
-    """A one-rank gloo group, for shape-only meshes (validation reads only their sizes)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("model_type", HYBRID_TYPES)
 @pytest.mark.parametrize("tp, heads, named", [
     (2, dict(linear_num_key_heads=1, linear_num_value_heads=2), ["linear_num_key_heads"]),
@@ -246,8 +221,7 @@ def test_linear_heads_that_do_not_split_are_refused(model_type, tp, heads, named
                                                     one_rank_world):
     model = hybrid_model(model_type, num_key_value_heads=1, **heads)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    mesh = DeviceMesh("cpu", torch.arange(tp).view(1, tp), mesh_dim_names=AXES,
-                      _init_backend=False)
+    mesh = shape_mesh(1, tp)
     with pytest.raises(ValueError) as info:
         torch_cp.patch_model(model, context_parallel=True, mesh=mesh, mode="tp")
     message = str(info.value)
