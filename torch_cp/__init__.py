@@ -15,7 +15,7 @@ from torch_cp.attention import (
     TorchBackend,
     merge_partials,
 )
-from torch_cp.engine import Engine, Result, SamplingParams, generate
+from torch_cp.engine import Engine, RequestOutput, Result, SamplingParams, generate
 from torch_cp.engine.memory import kv_bytes_per_rank, state_bytes_per_rank
 from torch_cp.hf import (
     GenerateCache,
@@ -48,6 +48,7 @@ __all__ = [
     "PagedKVCache",
     "Partial",
     "PrefixCachingAllocator",
+    "RequestOutput",
     "Result",
     "SamplingParams",
     "StepPlan",

@@ -73,7 +73,7 @@ def _fail_on(monkeypatch, owner, name, engine, fault):
 def _sites(model, sampling):
     """Where a fault is planted: the last decoder layer (after layer 0 wrote the pool), and the
     function that picks the tokens."""
-    picker = "greedy_tokens" if sampling.greedy else "sample"
+    picker = "greedy_tokens" if sampling.greedy else "sample_rows"
     return {"forward": (decoder_layers(model)[-1], "forward"), "sampling": (engine_module, picker)}
 
 

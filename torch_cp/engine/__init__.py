@@ -6,6 +6,7 @@ from torch_cp.engine.feedback import EngineWarning, IgnoredSettingWarning, Posit
 from torch_cp.engine.generation import generate
 from torch_cp.engine.requests import Result, normalize_prompts
 from torch_cp.engine.sampling import SamplingParams
+from torch_cp.engine.serving import RequestOutput
 
-__all__ = ["Engine", "EngineWarning", "IgnoredSettingWarning", "PositionLimitWarning", "Result",
-           "SamplingParams", "generate", "normalize_prompts"]
+__all__ = ["Engine", "EngineWarning", "IgnoredSettingWarning", "PositionLimitWarning",
+           "RequestOutput", "Result", "SamplingParams", "generate", "normalize_prompts"]

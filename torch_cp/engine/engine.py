@@ -16,19 +16,18 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from torch_cp.engine.ahead import ahead_ids
+from torch_cp.engine.batch import BatchRuns
 from torch_cp.engine.checks import engine_problems
-from torch_cp.engine.feedback import Progress, status, warn_ignored_sampling, warn_past_positions
-from torch_cp.engine.requests import (
-    Result,
-    make_requests,
-    new_tokens_per_request,
-    normalize_prompts,
-    pad_token_ids,
-    vocab_size,
-    with_text,
+from torch_cp.engine.feedback import status
+from torch_cp.engine.sampling import (
+    SamplingParams,
+    all_greedy,
+    broadcast_from_rank0,
+    greedy_tokens,
+    sample_rows,
 )
-from torch_cp.engine.sampling import SamplingParams, broadcast_from_rank0, greedy_tokens, sample
 from torch_cp.engine.scheduler import Row, Scheduler, writes_shared_page
+from torch_cp.engine.serving import Serving
 from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, graph_runner, row_key
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
@@ -38,10 +37,9 @@ from torch_cp.runtime import new_state_pool, runtime_of
 
 DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_GRAPH_ROWS = 64
-GREEDY = SamplingParams()
 
 
-class Engine:
+class Engine(BatchRuns, Serving):
     """A patched model with one placed pool, reused across ``run`` calls.
 
     Args:
@@ -119,6 +117,7 @@ class Engine:
             max_pages_per_row or num_pages, mixed_buckets, compile, progress) if cuda_graphs \
             else None
         self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
+        self._serving_init()
 
     @property
     def kv_bytes(self) -> int:
@@ -129,64 +128,6 @@ class Engine:
     def state_bytes(self) -> int:
         """Bytes of this rank's linear-attention state pool (hybrid models; else 0)."""
         return self.state.bytes if self.state is not None else 0
-
-    def run(self, prompts, max_new_tokens: int | Sequence[int],
-            sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
-            progress: bool = False, *, tokenizer=None, attention_mask=None) -> list[Result]:
-        """Generate for ``prompts``; bad requests get error results, the others complete.
-
-        ``prompts``: every form ``torch_cp.generate`` takes: token ids (a list or ``[L]``
-        tensor) or a batch of them; strings or chats (a list of messages, or a list of
-        conversations) with ``tokenizer``; a ``BatchEncoding`` / dict with ``input_ids`` and
-        ``attention_mask`` (``[L]`` or ``[B, L]``), or ``[B, L]`` ids with ``attention_mask=``
-        (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
-        ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
-        Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
-        (``PositionLimitWarning``) of requests past ``max_position_embeddings``. A step that
-        raises (KeyboardInterrupt too) ends the call with that exception, every page returned.
-        """
-        token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
-                                          pad_token_ids(self.model, tokenizer))
-        return self.run_tokens(token_prompts, max_new_tokens, sampling, eos_token_ids, progress,
-                               tokenizer)
-
-    def run_tokens(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                   sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
-                   progress: bool = False, tokenizer=None) -> list[Result]:
-        """``run`` for prompts already normalized to token-id lists (no padding checks)."""
-        warn_ignored_sampling(sampling)
-        self._ahead = self._inflight = None  # request indices restart with every run
-        news = new_tokens_per_request(max_new_tokens, len(prompts))
-        capacity = self.allocator.num_pages * self.page_size
-        requests, results = make_requests(prompts, news, vocab_size(self.model), capacity)
-        warn_past_positions(self.model, requests)
-        scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
-        for request in requests:
-            scheduler.add(request)
-        eos = frozenset(eos_token_ids)
-        generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
-        try:
-            with Progress(scheduler.waiting, show=progress) as bar:
-                while not scheduler.done:
-                    reused = scheduler.reused_tokens
-                    prefilled, new, ended = self._step(scheduler, sampling, generators, eos)
-                    self.prefilled_tokens += prefilled
-                    self.reused_tokens += scheduler.reused_tokens - reused
-                    bar.advance(prefilled + scheduler.reused_tokens - reused, new)
-                    for request, reason, error in ended:
-                        results[request.index] = Result(request.index, tuple(request.generated),
-                                                        reason, error=error)
-                        bar.stop(request)
-            if self._inflight is not None:  # launched for requests that then stopped at EOS
-                self._inflight.host_ids()
-        except BaseException:  # KeyboardInterrupt too: the pool must be whole for the next run
-            scheduler.abort_all()
-            raise
-        finally:
-            self._ahead = self._inflight = None
-        assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
-        ordered = [results[i] for i in range(len(prompts))]
-        return ordered if tokenizer is None else with_text(ordered, tokenizer)
 
     def _step(self, scheduler: Scheduler, sampling: SamplingParams, generators, eos):
         """Finish one step: the one launched ahead during the previous step, else the
@@ -201,7 +142,9 @@ class Engine:
         if current is None:
             current, failed = self._launch_scheduled(scheduler, sampling)
             if failed:
+                self._committed = None
                 return 0, 0, failed
+        self._logprob_rows(current)  # before a step launched ahead reuses the logits buffer
         if self.overlap_planning:
             self._overlap(current, scheduler, sampling)
         tokens = self._tokens(current, sampling, generators)
@@ -212,6 +155,7 @@ class Engine:
         prompts = [len(scheduler.running[r.request].prompt) for r in rows]
         prefilled = sum(max(0, min(r.start + r.length, n) - r.start) for r, n in zip(rows, prompts))
         finished = scheduler.commit(rows, tokens, eos)
+        self._committed = (current, tokens)
         return prefilled, len(tokens), [(r, reason, None) for r, reason in finished]
 
     def _launch_scheduled(self, scheduler: Scheduler, sampling: SamplingParams):
@@ -262,7 +206,7 @@ class Engine:
         sampled = [b for b, r in enumerate(rows) if r.samples]
         launched = LaunchedStep(rows, sampled, self.launcher.launch(step, ids, sampled))
         self.replayed_steps += step.plan.bucket is not None
-        if sampled and sampling.greedy:
+        if sampled and all_greedy(sampling):
             tokens = greedy_tokens(launched.logits)
             launched.send_ids_home(broadcast_from_rank0(tokens) if self.broadcast else tokens)
         return launched
@@ -292,7 +236,7 @@ class Engine:
         if step.device_ids is not None:
             ids = step.host_ids()
         else:
-            rows = [step.rows[b] for b in step.sampled]
-            tokens = sample(step.logits, sampling, [generators[r.request] for r in rows])
+            requests = [step.rows[b].request for b in step.sampled]
+            tokens = sample_rows(step.logits, sampling, requests, generators)
             ids = (broadcast_from_rank0(tokens) if self.broadcast else tokens).tolist()
         return {step.rows[b].request: t for b, t in zip(step.sampled, ids)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
 from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
@@ -15,6 +15,7 @@ from torch_cp.engine.requests import (
     pad_token_ids,
 )
 from torch_cp.engine.sampling import SamplingParams
+from torch_cp.engine.serving import RequestOutput
 from torch_cp.placement import page_size_problems
 from torch_cp.runtime import runtime_of
 
@@ -38,7 +39,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
              attention_mask=None, num_pages: int | None = None, page_size: int | None = None,
              max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, progress: bool = True,
              cuda_graphs: bool = False, compile: bool = False,
-             overlap_planning: bool = False, prefix_caching: bool = False) -> list[Result]:
+             overlap_planning: bool = False, prefix_caching: bool = False,
+             stream: bool = False) -> list[Result] | Iterator[RequestOutput]:
     """Generate continuations of ``prompts`` with a patched model.
 
     Call it on every rank of the model's mesh with the same arguments (lockstep).
@@ -86,6 +88,9 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         compile, overlap_planning: see ``Engine``.
         prefix_caching: prompts sharing a prefix of full pages prefill it once (see
             ``Engine``); the tokens are the same.
+        stream: return an iterator of ``RequestOutput`` (``request_id``: the prompt's index)
+            that yields each request's new tokens as every step completes (``Engine.stream``);
+            an EOS token ends its request with ``finish_reason="stop"``.
     Returns:
         One ``Result`` per prompt, in order. A bad request (empty prompt, ids outside the
         vocabulary, more tokens than the pool can ever hold, max_new_tokens <= 0) gets
@@ -113,6 +118,10 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
                         compile=compile, overlap_planning=overlap_planning, progress=progress,
                         prefix_caching=prefix_caching)
     eos = eos_ids(model, eos_token_id, tokenizer)
+    if stream:
+        for prompt, new in zip(token_prompts, news):
+            engine.submit(prompt, new, sampling, stop_token_ids=eos)
+        return engine.stream()
     results = engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer)
     if cap is None:
         return results

@@ -11,7 +11,7 @@ TP all-reduce or a merge in another order), and one flipped argmax would split t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +110,33 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
                              params.top_p)
     probs = torch.softmax(filtered, dim=-1)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+
+
+def all_greedy(params: SamplingParams | Mapping[int, SamplingParams]) -> bool:
+    """Whether every request samples greedily (one ``SamplingParams`` or one per request)."""
+    if isinstance(params, SamplingParams):
+        return params.greedy
+    return all(p.greedy for p in params.values())
+
+
+def sample_rows(logits_bv: torch.Tensor, params: SamplingParams | Mapping[int, SamplingParams],
+                requests: Sequence[int], generators: Mapping[int, torch.Generator]
+                ) -> torch.Tensor:
+    """``sample`` for rows of ``requests``, with one ``SamplingParams`` for all or one per
+    request (rows sharing parameters are sampled together). [B] int64 ids on the host."""
+    if isinstance(params, SamplingParams):
+        return sample(logits_bv, params, None if params.greedy else
+                      [generators[r] for r in requests])
+    out = torch.empty(len(requests), dtype=torch.int64)
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, r in enumerate(requests):
+        groups.setdefault(params[r], []).append(b)
+    for p, rows in groups.items():
+        index = torch.tensor(rows)
+        picked = logits_bv.index_select(0, index.to(logits_bv.device))
+        out[index] = sample(picked, p, None if p.greedy else
+                            [generators[requests[b]] for b in rows])
+    return out
 
 
 def broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""The request-level API (issue 17): ``Engine.submit`` / ``step`` / ``stream`` / ``abort`` and
+``generate(stream=True)`` against the unpatched model and ``Engine.run``; aborts in a prefill
+chunk, in decode and on a step launched ahead return every page (and a hybrid model's state
+slot) and change no other request's tokens; logprobs against the unpatched model's logits; stop
+token ids and stop strings where transformers' ``generate`` stops. fp32 tiny models: greedy
+tokens compare exactly (top-2 gaps >= 5e-3, shared/notes), logprobs to 1e-4 (float32
+reassociation of ~1e-6 on logits of magnitude 1-10)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from driver import tiny_model
+
+import torch_cp
+from torch_cp.engine.sampling import SamplingParams
+from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
+
+PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29] * 3, [200, 3, 150, 7, 99], [42], [7, 7, 8, 9]]
+NEW = 10
+
+
+def engine(model=None, **kwargs):
+    model = model or torch_cp.patch_model(tiny_qwen3(), page_size=4)
+    return torch_cp.Engine(model, **(dict(num_pages=64, max_tokens_per_step=8, max_rows=4)
+                                      | kwargs))
+
+
+@pytest.fixture(scope="module")
+def hf_tokens():
+    model = tiny_qwen3()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)
+                [0, len(p):].tolist() for p in PROMPTS]
+
+
+def collect(outputs):
+    """request id -> (tokens, finish reason) from RequestOutputs."""
+    got: dict[int, list] = {}
+    reasons = {}
+    for out in outputs:
+        got.setdefault(out.request_id, []).extend(out.token_ids)
+        if out.finished:
+            assert out.request_id not in reasons, "a request finishes once"
+            reasons[out.request_id] = out.finish_reason
+    return got, reasons
+
+
+def assert_pool_whole(e):
+    a = e.allocator
+    assert a.free_pages == a.num_pages and not a.live_requests
+    assert a.free_state_slots == a.state_slots
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_stream_gives_the_unpatched_tokens_and_arrivals_change_nothing(hf_tokens, overlap):
+    e = engine(overlap_planning=overlap)
+    ids = [e.submit(p, NEW) for p in PROMPTS[:2]]
+    outputs = e.step() + e.step()  # two requests run; two more arrive meanwhile
+    ids += [e.submit(p, NEW) for p in PROMPTS[2:]]
+    got, reasons = collect(outputs + list(e.stream()))
+    assert [got[i] for i in ids] == hf_tokens
+    assert set(reasons.values()) == {"length"}
+    assert_pool_whole(e)
+    assert [list(r.token_ids) for r in e.run(PROMPTS, NEW)] == hf_tokens  # run still works
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("when", [1, 4, 7], ids=["prefill-chunk", "decode", "late-decode"])
+def test_abort_returns_every_page_and_changes_no_other_request(hf_tokens, overlap, when):
+    """Request 0 (24 prompt tokens, 8 a step) is aborted after ``when`` steps: during its
+    prefill, or while it decodes (with ``overlap``, on a step already launched ahead)."""
+    e = engine(overlap_planning=overlap)
+    ids = [e.submit(p, NEW) for p in PROMPTS]
+    outputs = []
+    for _ in range(when):
+        outputs += e.step()
+    e.abort(ids[0])
+    outputs += list(e.stream())
+    got, reasons = collect(outputs)
+    assert reasons[ids[0]] == "abort"
+    assert got[ids[0]] == hf_tokens[0][:len(got[ids[0]])]
+    for i, want in zip(ids[1:], hf_tokens[1:]):
+        assert got[i] == want and reasons[i] == "length"
+    assert_pool_whole(e)
+
+
+def test_abort_of_a_waiting_request_and_of_an_unknown_id():
+    e = engine(max_rows=1)  # one request runs, the other waits
+    first, second = e.submit(PROMPTS[1], NEW), e.submit(PROMPTS[2], NEW)
+    e.step()
+    e.abort(second)
+    e.abort(12345)  # never submitted: nothing happens
+    got, reasons = collect(e.step() + list(e.stream()))
+    assert reasons == {second: "abort", first: "length"}
+    assert second not in got or got[second] == []
+    assert_pool_whole(e)
+
+
+def test_a_hybrid_models_abort_returns_its_state_slot():
+    model = torch_cp.patch_model(tiny_model("qwen3_5_text"), page_size=4)
+    e = engine(model)
+    ids = [e.submit(p, NEW) for p in PROMPTS]
+    e.step()
+    e.step()
+    e.abort(ids[1])
+    list(e.stream())
+    assert_pool_whole(e)
+
+
+def test_logprobs_are_the_unpatched_models_log_softmax():
+    model = tiny_qwen3()
+    e = engine()
+    k = 3
+    ids = [e.submit(p, NEW, logprobs=k) for p in PROMPTS[:2]]
+    by_id: dict[int, list] = {i: [] for i in ids}
+    for out in e.stream():
+        assert len(out.logprobs) == len(out.token_ids)
+        by_id[out.request_id] += list(zip(out.token_ids, out.logprobs))
+    for rid, prompt in zip(ids, PROMPTS):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        want = torch.log_softmax(torch.stack(ref.logits)[:, 0].float(), dim=-1)  # [NEW, V]
+        assert [t for t, _ in by_id[rid]] == ref.sequences[0, len(prompt):].tolist()
+        for step, (token, (logprob, top)) in enumerate(by_id[rid]):
+            torch.testing.assert_close(logprob, want[step, token].item(), atol=1e-4, rtol=0)
+            values, indices = want[step].topk(k)
+            assert [t for t, _ in top] == indices.tolist()
+            torch.testing.assert_close([v for _, v in top], values.tolist(), atol=1e-4, rtol=0)
+
+
+def test_stop_token_ids_and_stop_strings_stop_where_transformers_does(hf_tokens):
+    tok = tiny_tokenizer()
+    stop_token = hf_tokens[1][3]
+    # A printable generated token's text, as transformers' StopStringCriteria reads it.
+    row, at = next((r, i) for r, stream in enumerate(hf_tokens) for i, t in enumerate(stream)
+                   if i >= 2 and tok.decode([t]).isalnum())
+    stop_text = tok.decode([hf_tokens[row][at]])
+    e = engine()
+    by_token = e.submit(PROMPTS[1], NEW, stop_token_ids=[stop_token])
+    by_text = e.submit(PROMPTS[row], NEW, stop_strings=[stop_text], tokenizer=tok)
+    got, reasons = collect(e.stream())
+    first = hf_tokens[1].index(stop_token)
+    assert got[by_token] == hf_tokens[1][:first + 1] and reasons[by_token] == "stop"
+    with torch.no_grad():
+        ref = tiny_qwen3().generate(torch.tensor([PROMPTS[row]]), max_new_tokens=NEW,
+                                    do_sample=False, stop_strings=[stop_text], tokenizer=tok)
+    assert got[by_text] == ref[0, len(PROMPTS[row]):].tolist()
+    assert reasons[by_text] == "stop" and len(got[by_text]) < NEW
+    assert_pool_whole(e)
+
+
+def test_each_request_keeps_its_own_sampling(hf_tokens):
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    e = engine()
+    ids = [e.submit(p, NEW, sampling=sampled if i == 2 else None)
+           for i, p in enumerate(PROMPTS)]
+    got, _ = collect(e.stream())
+    alone = engine().run(PROMPTS, NEW, sampling=sampled)  # request 2 draws the same stream
+    assert got[ids[2]] == list(alone[2].token_ids) != hf_tokens[2]
+    assert [got[i] for i in ids[:2] + ids[3:]] == hf_tokens[:2] + hf_tokens[3:]
+
+
+def test_bad_requests_end_with_an_error_and_the_others_run(hf_tokens):
+    e = engine()
+    bad = e.submit([], NEW)
+    good = e.submit(PROMPTS[1], NEW)
+    got, reasons = collect(e.stream())
+    assert reasons[bad] == "error" and got[good] == hf_tokens[1]
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+        e.submit(PROMPTS[1], NEW, stop_strings=["x"])
+
+
+def test_run_refuses_while_submitted_requests_are_unfinished():
+    e = engine()
+    e.submit(PROMPTS[1], NEW)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        e.run(PROMPTS, NEW)
+
+
+def test_generate_streams(hf_tokens):
+    model = torch_cp.patch_model(tiny_qwen3(), page_size=4)
+    got, reasons = collect(torch_cp.generate(model, PROMPTS, NEW, stream=True, progress=False))
+    assert [got[i] for i in range(len(PROMPTS))] == hf_tokens

@@ -1,0 +1,52 @@
+"""Under torchrun, rank 0 decides what is submitted and aborted (issue 17): two gloo ranks in TP
+mode (P = 2), where rank 1 submits other prompts and never aborts, stream the same outputs as
+rank 0, the unpatched model's tokens for the requests rank 0 submitted, and record identical
+partner collectives (lockstep)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multirank import run_ranks
+
+import torch_cp
+from torch_cp.tiny import tiny_qwen3
+
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
+PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29] * 3, [200, 3, 150, 7, 99], [42]]
+NEW = 8
+
+
+def _serve(rank: int, world: int) -> dict:
+    mesh = torch_cp.init_mesh(tp=world, device_type="cpu")
+    model = torch_cp.patch_model(tiny_qwen3(), context_parallel=True, mesh=mesh, page_size=4)
+    model.torch_cp.exchange.records = []
+    e = torch_cp.Engine(model, num_pages=64, max_tokens_per_step=8, max_rows=4,
+                        overlap_planning=True)
+    mine = PROMPTS if rank == 0 else [[3, 3, 3]]  # only rank 0's submissions count
+    ids = [e.submit(p, NEW) for p in mine]
+    outputs = e.step() + e.step()
+    if rank == 0:
+        e.abort(ids[2] if len(ids) > 2 else 2)
+    outputs += list(e.stream())
+    free = (e.allocator.free_pages, e.allocator.num_pages)
+    return dict(outputs=[(o.request_id, o.token_ids, o.finished, o.finish_reason)
+                         for o in outputs], records=model.torch_cp.exchange.records, free=free)
+
+
+def test_rank_0_decides_and_ranks_stay_in_lockstep():
+    ranks = run_ranks(2, _serve)
+    assert ranks[1]["outputs"] == ranks[0]["outputs"]
+    assert ranks[1]["records"] == ranks[0]["records"] and ranks[0]["records"]
+    model = tiny_qwen3()
+    got = {}
+    for rid, tokens, _, _ in ranks[0]["outputs"]:
+        got.setdefault(rid, []).extend(tokens)
+    with torch.no_grad():
+        for rid in (0, 1):
+            want = model.generate(torch.tensor([PROMPTS[rid]]), max_new_tokens=NEW,
+                                  do_sample=False)[0, len(PROMPTS[rid]):].tolist()
+            assert got[rid] == want
+    assert "abort" in [r for i, _, _, r in ranks[0]["outputs"] if i == 2]
+    assert all(r["free"][0] == r["free"][1] for r in ranks)

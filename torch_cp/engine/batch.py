@@ -1,0 +1,86 @@
+"""``Engine.run``: a whole batch of prompts to their results (mixed into ``Engine``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
+from torch_cp.engine.requests import (
+    Result,
+    make_requests,
+    new_tokens_per_request,
+    normalize_prompts,
+    pad_token_ids,
+    vocab_size,
+    with_text,
+)
+from torch_cp.engine.sampling import SamplingParams
+from torch_cp.engine.scheduler import Scheduler
+
+GREEDY = SamplingParams()
+
+
+class BatchRuns:
+    """``run`` and ``run_tokens``: submit a batch, step until every request ends, return the
+    results in order."""
+
+    def run(self, prompts, max_new_tokens: int | Sequence[int],
+            sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
+            progress: bool = False, *, tokenizer=None, attention_mask=None) -> list[Result]:
+        """Generate for ``prompts``; bad requests get error results, the others complete.
+
+        ``prompts``: every form ``torch_cp.generate`` takes: token ids (a list or ``[L]``
+        tensor) or a batch of them; strings or chats (a list of messages, or a list of
+        conversations) with ``tokenizer``; a ``BatchEncoding`` / dict with ``input_ids`` and
+        ``attention_mask`` (``[L]`` or ``[B, L]``), or ``[B, L]`` ids with ``attention_mask=``
+        (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
+        ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
+        Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
+        (``PositionLimitWarning``) of requests past ``max_position_embeddings``. A step that
+        raises (KeyboardInterrupt too) ends the call with that exception, every page returned.
+        """
+        token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
+                                          pad_token_ids(self.model, tokenizer))
+        return self.run_tokens(token_prompts, max_new_tokens, sampling, eos_token_ids, progress,
+                               tokenizer)
+
+    def run_tokens(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                   sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
+                   progress: bool = False, tokenizer=None) -> list[Result]:
+        """``run`` for prompts already normalized to token-id lists (no padding checks)."""
+        if self.has_unfinished():
+            raise RuntimeError("requests submitted with Engine.submit are unfinished: step or "
+                               "abort them before Engine.run")
+        warn_ignored_sampling(sampling)
+        self._ahead = self._inflight = None  # request indices restart with every run
+        news = new_tokens_per_request(max_new_tokens, len(prompts))
+        capacity = self.allocator.num_pages * self.page_size
+        requests, results = make_requests(prompts, news, vocab_size(self.model), capacity)
+        warn_past_positions(self.model, requests)
+        scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
+        for request in requests:
+            scheduler.add(request)
+        eos = frozenset(eos_token_ids)
+        generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
+        try:
+            with Progress(scheduler.waiting, show=progress) as bar:
+                while not scheduler.done:
+                    reused = scheduler.reused_tokens
+                    prefilled, new, ended = self._step(scheduler, sampling, generators, eos)
+                    self.prefilled_tokens += prefilled
+                    self.reused_tokens += scheduler.reused_tokens - reused
+                    bar.advance(prefilled + scheduler.reused_tokens - reused, new)
+                    for request, reason, error in ended:
+                        results[request.index] = Result(request.index, tuple(request.generated),
+                                                        reason, error=error)
+                        bar.stop(request)
+            if self._inflight is not None:  # launched for requests that then stopped at EOS
+                self._inflight.host_ids()
+        except BaseException:  # KeyboardInterrupt too: the pool must be whole for the next run
+            scheduler.abort_all()
+            raise
+        finally:
+            self._ahead = self._inflight = None
+        assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
+        ordered = [results[i] for i in range(len(prompts))]
+        return ordered if tokenizer is None else with_text(ordered, tokenizer)

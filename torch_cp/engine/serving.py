@@ -1,0 +1,228 @@
+"""The request-level API of ``Engine``: submit requests as they come, step, stream, abort.
+
+    rid = engine.submit(prompt_ids, max_new_tokens=64, logprobs=2)
+    for out in engine.stream():          # or: while engine.has_unfinished(): engine.step()
+        print(out.request_id, out.token_ids, out.finished)
+    engine.abort(rid)
+
+Each request keeps its own sampling parameters, stop token ids, stop strings (matched as
+transformers' ``StopStringCriteria`` matches them: the criterion itself runs on the request's
+ids) and ``logprobs``. The scheduler persists across steps, so requests arrive while others run.
+
+Lockstep under torchrun: every rank calls ``step`` (or iterates ``stream``) in step with the
+others; ``submit`` and ``abort`` take effect at the next step boundary, and there rank 0's
+decisions are broadcast and applied on every rank (the other ranks' own calls are ignored; they
+learn the request ids from rank 0), so all schedulers decide the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from torch_cp.engine.requests import check_request, vocab_size
+from torch_cp.engine.sampling import SamplingParams
+from torch_cp.engine.scheduler import Request, Scheduler
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the id ``submit`` returned.
+        token_ids: the tokens this step generated (none for a prefill chunk, or an abort).
+        finished: whether the request ended with this step.
+        finish_reason: ``"eos"``, ``"stop"`` (a stop token id or string), ``"length"``,
+            ``"abort"`` or ``"error"`` when finished, else ``None``.
+        logprobs: per token of ``token_ids`` (with ``logprobs=k``): its log-probability and
+            the ``k`` most likely ``(token, log-probability)`` pairs, from the float32 log-softmax
+            of the row's logits (before temperature and filtering).
+        error: why the request was refused (``finish_reason == "error"``).
+    """
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class _Options:
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    stop: object | None  # a StopStringCriteria
+    logprobs: int | None
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+class Serving:
+    """``submit`` / ``step`` / ``stream`` / ``abort`` (mixed into ``Engine``)."""
+
+    def _serving_init(self) -> None:
+        self._scheduler: Scheduler | None = None
+        self._options: dict[int, _Options] = {}
+        self._pending: list[tuple] = []  # ("submit", id, prompt, new, options) / ("abort", id)
+        self._next_id = 0
+        self._outputs: list[RequestOutput] = []
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int = 16,
+               sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+               stop_strings: Sequence[str] = (), tokenizer=None,
+               logprobs: int | None = None) -> int:
+        """Queue a request (token ids) for the next step; returns its id. A bad request (see
+        ``check_request``) ends at that step with ``finish_reason="error"``. Stop strings need
+        ``tokenizer``."""
+        problems = []
+        if stop_strings and tokenizer is None:
+            problems.append("stop_strings need a tokenizer")
+        if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+            problems.append(f"logprobs must be an int >= 0 or None, got {logprobs!r}")
+        if problems:
+            raise ValueError("invalid request: " + "; ".join(problems))
+        stop = None
+        if stop_strings:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            stop = StopStringCriteria(tokenizer, list(stop_strings))
+        options = _Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
+                           logprobs)
+        request_id = self._next_id
+        self._next_id += 1
+        self._pending.append(("submit", request_id, [int(t) for t in prompt],
+                              int(max_new_tokens), options))
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """End a request at the next step boundary; its pages and state slot return then (a
+        step already launched for it may still finish on the device; its token is dropped)."""
+        self._pending.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        s = self._scheduler
+        return bool(self._pending) or (s is not None and not s.done)
+
+    def step(self) -> list[RequestOutput]:
+        """Apply the submissions and aborts (rank 0's), run one step, and return what each
+        request it touched produced (requests that ended this step included)."""
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
+        self._outputs = []
+        self._apply(self._decided())
+        scheduler = self._scheduler
+        if scheduler.done:
+            return self._outputs
+        try:
+            _, _, ended = self._step(scheduler, self._sampling_of(), self._generators(),
+                                     frozenset())
+        except BaseException:
+            scheduler.abort_all()
+            self._options.clear()
+            self._ahead = self._inflight = None
+            raise
+        self._report(ended)
+        return self._outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request has ended, yielding each step's outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    # Internals.
+
+    def _decided(self) -> list[tuple]:
+        """Rank 0's pending submissions and aborts, on every rank."""
+        pending, self._pending = self._pending, []
+        if self.broadcast:
+            box = [pending]
+            dist.broadcast_object_list(box, src=0)
+            pending = box[0]
+            self._next_id = max([self._next_id] + [p[1] + 1 for p in pending if p[0] == "submit"])
+        return pending
+
+    def _apply(self, pending: list[tuple]) -> None:
+        s = self._scheduler
+        capacity = self.allocator.num_pages * self.page_size
+        vocab = vocab_size(self.model)
+        for op in pending:
+            if op[0] == "submit":
+                _, rid, prompt, new, options = op
+                error = check_request(prompt, new, vocab, capacity)
+                if error:
+                    self._outputs.append(RequestOutput(rid, (), True, "error", error=error))
+                    continue
+                options.generator = options.sampling.generator(rid)
+                self._options[rid] = options
+                s.add(Request(rid, prompt, new))
+            elif op[1] in self._options:
+                rid = op[1]
+                if rid in s.running:
+                    s.abort(rid)
+                else:
+                    s.waiting = type(s.waiting)(r for r in s.waiting if r.index != rid)
+                del self._options[rid]
+                self._outputs.append(RequestOutput(rid, (), True, "abort"))
+
+    def _sampling_of(self) -> dict[int, SamplingParams]:
+        return {rid: o.sampling for rid, o in self._options.items()}
+
+    def _generators(self) -> dict[int, torch.Generator]:
+        return {rid: o.generator for rid, o in self._options.items()}
+
+    def _logprob_rows(self, step) -> None:
+        """Log-probabilities of ``step``'s sampling rows that asked for them, on the device right
+        after its launch (before a step launched ahead reuses the logits buffer)."""
+        want = [(i, b) for i, b in enumerate(step.sampled)
+                if (o := self._options.get(step.rows[b].request)) is not None
+                and o.logprobs is not None]
+        step.logprob_rows = None
+        if not want:
+            return
+        rows = torch.tensor([i for i, _ in want], device=step.logits.device)
+        lp = torch.log_softmax(step.logits.index_select(0, rows).float(), dim=-1)
+        k = max(self._options[step.rows[b].request].logprobs for _, b in want)
+        top = lp.topk(max(k, 1), dim=-1)
+        step.logprob_rows = ({b: j for j, (_, b) in enumerate(want)}, lp, top)
+
+    def _report(self, ended) -> None:
+        """Outputs of the step ``_step`` just committed: new tokens, stops, finishes."""
+        launched, tokens = self._committed
+        finished = {request.index: reason for request, reason, _ in ended}
+        lp = getattr(launched, "logprob_rows", None)
+        for b, row in enumerate(launched.rows):
+            rid = row.request
+            token = tokens.get(rid)
+            if token is None:
+                if rid in finished:
+                    self._finish(rid, (), finished[rid], ())
+                continue
+            logprobs = ()
+            if lp is not None and b in lp[0]:
+                j, k = lp[0][b], self._options[rid].logprobs
+                logprobs = ((lp[1][j, token].item(), tuple(
+                    zip(lp[2].indices[j, :k].tolist(), lp[2].values[j, :k].tolist()))),)
+            reason = finished.get(rid) or self._stopped(rid, token)
+            if reason is None:
+                self._outputs.append(RequestOutput(rid, (token,), False, None, logprobs))
+            else:
+                self._finish(rid, (token,), reason, logprobs)
+
+    def _stopped(self, rid: int, token: int) -> str | None:
+        """``"stop"`` when ``token`` ends request ``rid`` by a stop token id or string (then
+        its pages return), else None."""
+        o = self._options[rid]
+        request = self._scheduler.running[rid]
+        hit = token in o.stop_token_ids or (o.stop is not None and bool(
+            o.stop(torch.tensor([request.tokens]), None)[0]))
+        if hit:
+            self._scheduler.abort(rid)
+        return "stop" if hit else None
+
+    def _finish(self, rid: int, token_ids, reason: str, logprobs) -> None:
+        self._options.pop(rid, None)
+        self._outputs.append(RequestOutput(rid, tuple(token_ids), True, reason, logprobs))
