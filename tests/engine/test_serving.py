@@ -183,3 +183,20 @@ def test_generate_streams(hf_tokens):
     model = torch_cp.patch_model(tiny_qwen3(), page_size=4)
     got, reasons = collect(torch_cp.generate(model, PROMPTS, NEW, stream=True, progress=False))
     assert [got[i] for i in range(len(PROMPTS))] == hf_tokens
+
+
+def test_run_and_generate_results_carry_the_streams_logprobs():
+    prompts = PROMPTS[:2]
+    e = engine()
+    ids = [e.submit(p, NEW, logprobs=2) for p in prompts]
+    streamed: dict[int, list] = {i: [] for i in ids}
+    for out in e.stream():
+        streamed[out.request_id] += list(out.logprobs)
+    results = e.run(prompts, NEW, logprobs=2)
+    model = torch_cp.patch_model(tiny_qwen3(), page_size=4)
+    generated = torch_cp.generate(model, prompts, NEW, logprobs=2, progress=False)
+    for rid, r, g in zip(ids, results, generated):
+        assert len(r.logprobs) == NEW
+        torch.testing.assert_close(list(r.logprobs), streamed[rid], atol=1e-5, rtol=0)
+        torch.testing.assert_close(list(g.logprobs), streamed[rid], atol=1e-5, rtol=0)
+    assert engine().run(prompts, NEW)[0].logprobs == ()  # not asked: none

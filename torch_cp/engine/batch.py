@@ -16,6 +16,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Scheduler
+from torch_cp.engine.serving import _Options
 
 GREEDY = SamplingParams()
 
@@ -26,7 +27,8 @@ class BatchRuns:
 
     def run(self, prompts, max_new_tokens: int | Sequence[int],
             sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
-            progress: bool = False, *, tokenizer=None, attention_mask=None) -> list[Result]:
+            progress: bool = False, *, tokenizer=None, attention_mask=None,
+            logprobs: int | None = None) -> list[Result]:
         """Generate for ``prompts``; bad requests get error results, the others complete.
 
         ``prompts``: every form ``torch_cp.generate`` takes: token ids (a list or ``[L]``
@@ -35,6 +37,8 @@ class BatchRuns:
         ``attention_mask`` (``[L]`` or ``[B, L]``), or ``[B, L]`` ids with ``attention_mask=``
         (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
         ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
+        ``logprobs=k``: each ``Result`` carries every generated token's log-probability and the
+        k most likely tokens' (``RequestOutput.logprobs``).
         Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
         (``PositionLimitWarning``) of requests past ``max_position_embeddings``. A step that
         raises (KeyboardInterrupt too) ends the call with that exception, every page returned.
@@ -42,11 +46,12 @@ class BatchRuns:
         token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
                                           pad_token_ids(self.model, tokenizer))
         return self.run_tokens(token_prompts, max_new_tokens, sampling, eos_token_ids, progress,
-                               tokenizer)
+                               tokenizer, logprobs)
 
     def run_tokens(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                    sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
-                   progress: bool = False, tokenizer=None) -> list[Result]:
+                   progress: bool = False, tokenizer=None, logprobs: int | None = None
+                   ) -> list[Result]:
         """``run`` for prompts already normalized to token-id lists (no padding checks)."""
         if self.has_unfinished():
             raise RuntimeError("requests submitted with Engine.submit are unfinished: step or "
@@ -62,6 +67,10 @@ class BatchRuns:
             scheduler.add(request)
         eos = frozenset(eos_token_ids)
         generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
+        if logprobs is not None:  # the rows whose log-probabilities the steps take
+            self._options = {r.index: _Options(sampling, frozenset(), None, logprobs)
+                             for r in scheduler.waiting}
+        token_logprobs = {r.index: [] for r in scheduler.waiting}
         try:
             with Progress(scheduler.waiting, show=progress) as bar:
                 while not scheduler.done:
@@ -70,9 +79,12 @@ class BatchRuns:
                     self.prefilled_tokens += prefilled
                     self.reused_tokens += scheduler.reused_tokens - reused
                     bar.advance(prefilled + scheduler.reused_tokens - reused, new)
+                    for rid, lp in self._token_logprobs().items():
+                        token_logprobs[rid].append(lp)
                     for request, reason, error in ended:
-                        results[request.index] = Result(request.index, tuple(request.generated),
-                                                        reason, error=error)
+                        results[request.index] = Result(
+                            request.index, tuple(request.generated), reason, error=error,
+                            logprobs=tuple(token_logprobs[request.index]))
                         bar.stop(request)
             if self._inflight is not None:  # launched for requests that then stopped at EOS
                 self._inflight.host_ids()
@@ -81,6 +93,7 @@ class BatchRuns:
             raise
         finally:
             self._ahead = self._inflight = None
+            self._options = {}
         assert self.allocator.free_pages == self.allocator.num_pages, "every page returns"
         ordered = [results[i] for i in range(len(prompts))]
         return ordered if tokenizer is None else with_text(ordered, tokenizer)

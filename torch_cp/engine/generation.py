@@ -40,7 +40,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
              max_tokens_per_step: int = DEFAULT_TOKENS_PER_STEP, progress: bool = True,
              cuda_graphs: bool = False, compile: bool = False,
              overlap_planning: bool = False, prefix_caching: bool = False,
-             stream: bool = False) -> list[Result] | Iterator[RequestOutput]:
+             stream: bool = False, logprobs: int | None = None
+             ) -> list[Result] | Iterator[RequestOutput]:
     """Generate continuations of ``prompts`` with a patched model.
 
     Call it on every rank of the model's mesh with the same arguments (lockstep).
@@ -88,6 +89,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         compile, overlap_planning: see ``Engine``.
         prefix_caching: prompts sharing a prefix of full pages prefill it once (see
             ``Engine``); the tokens are the same.
+        logprobs: k: each generated token's log-probability and the k most likely tokens'
+            (``Result.logprobs``, ``RequestOutput.logprobs``).
         stream: return an iterator of ``RequestOutput`` (``request_id``: the prompt's index)
             that yields each request's new tokens as every step completes (``Engine.stream``);
             an EOS token ends its request with ``finish_reason="stop"``.
@@ -120,9 +123,10 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     eos = eos_ids(model, eos_token_id, tokenizer)
     if stream:
         for prompt, new in zip(token_prompts, news):
-            engine.submit(prompt, new, sampling, stop_token_ids=eos)
+            engine.submit(prompt, new, sampling, stop_token_ids=eos, logprobs=logprobs)
         return engine.stream()
-    results = engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer)
+    results = engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer,
+                                logprobs)
     if cap is None:
         return results
     return [_never_fits(r, cap, page_size)

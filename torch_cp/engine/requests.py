@@ -3,6 +3,7 @@ checks a request must pass, its stop tokens, and what it produced (``Result``)."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -73,6 +74,8 @@ class Result:
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens reached) or ``"error"``.
         text: the decoded tokens when a tokenizer was given, else ``None``.
         error: why the request failed (``finish_reason == "error"``), else ``None``.
+        logprobs: with ``logprobs=k``, per generated token its log-probability and the k most
+            likely ``(token, log-probability)`` pairs (see ``RequestOutput``); else empty.
     """
 
     index: int
@@ -80,6 +83,7 @@ class Result:
     finish_reason: Literal["eos", "length", "error"]
     text: str | None = None
     error: str | None = None
+    logprobs: tuple = ()
 
     @property
     def ok(self) -> bool:
@@ -105,6 +109,6 @@ def eos_ids(model, eos_token_id, tokenizer) -> tuple[int, ...]:
 
 def with_text(results: list[Result], tokenizer) -> list[Result]:
     """``results`` with ``text`` decoded by ``tokenizer`` (special tokens skipped)."""
-    return [Result(r.index, r.token_ids, r.finish_reason,
-                   tokenizer.decode(list(r.token_ids), skip_special_tokens=True), r.error)
+    return [dataclasses.replace(r, text=tokenizer.decode(list(r.token_ids),
+                                                         skip_special_tokens=True))
             for r in results]

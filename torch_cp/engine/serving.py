@@ -189,23 +189,42 @@ class Serving:
         top = lp.topk(max(k, 1), dim=-1)
         step.logprob_rows = ({b: j for j, (_, b) in enumerate(want)}, lp, top)
 
+    def _token_logprobs(self) -> dict[int, tuple]:
+        """Per request of the step ``_step`` just committed that asked for them: its new token's
+        (log-probability, ((token, log-probability) of the k most likely, ...))."""
+        if self._committed is None:
+            return {}
+        launched, tokens = self._committed
+        lp = getattr(launched, "logprob_rows", None)
+        out = {}
+        for b, row in enumerate(launched.rows):
+            token = tokens.get(row.request)
+            if lp is None or token is None or b not in lp[0]:
+                continue
+            j, k = lp[0][b], self._options[row.request].logprobs
+            out[row.request] = (lp[1][j, token].item(), tuple(
+                zip(lp[2].indices[j, :k].tolist(), lp[2].values[j, :k].tolist())))
+        return out
+
     def _report(self, ended) -> None:
         """Outputs of the step ``_step`` just committed: new tokens, stops, finishes."""
+        if self._committed is None:  # the backend refused even one token
+            for request, reason, error in ended:
+                self._options.pop(request.index, None)
+                self._outputs.append(RequestOutput(request.index, (), True, reason,
+                                                   error=error))
+            return
         launched, tokens = self._committed
         finished = {request.index: reason for request, reason, _ in ended}
-        lp = getattr(launched, "logprob_rows", None)
-        for b, row in enumerate(launched.rows):
+        token_logprobs = self._token_logprobs()
+        for row in launched.rows:
             rid = row.request
             token = tokens.get(rid)
             if token is None:
                 if rid in finished:
                     self._finish(rid, (), finished[rid], ())
                 continue
-            logprobs = ()
-            if lp is not None and b in lp[0]:
-                j, k = lp[0][b], self._options[rid].logprobs
-                logprobs = ((lp[1][j, token].item(), tuple(
-                    zip(lp[2].indices[j, :k].tolist(), lp[2].values[j, :k].tolist()))),)
+            logprobs = (token_logprobs[rid],) if rid in token_logprobs else ()
             reason = finished.get(rid) or self._stopped(rid, token)
             if reason is None:
                 self._outputs.append(RequestOutput(rid, (token,), False, None, logprobs))
