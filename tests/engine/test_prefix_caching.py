@@ -5,7 +5,7 @@ across two runs of one engine (the cache persists), with chunked prefill and a p
 that cached pages are evicted; a later request starts after its cached prefix (fewer prompt
 tokens run through the model), no step writes a cached page, and every page returns. The
 scheduler's admission promises hold with caching (a hypothesis test driving the scheduler alone),
-and at P = 2 (TP and SP modes, gloo) tokens with caching equal tokens without."""
+and at P = 2 and 4 (TP and SP modes, gloo) tokens with caching equal tokens without."""
 
 from __future__ import annotations
 
@@ -169,13 +169,15 @@ def test_admission_with_caching_keeps_every_promise(requests, page_size, spare, 
     assert ended == {i: expected_end(new, eos) for i, (_, new, eos, _) in enumerate(runs)}
 
 
-# P = 2 over gloo, TP mode and SP mode in one spawn.
-MESHES = {"tp": dict(tp=2, sp=1), "sp": dict(tp=1, sp=2)}
+# P = 2 and P = 4 over gloo ranks, TP mode and SP mode in one spawn each (every partner of the
+# tiny model's one KV head: P = world).
+MESHES = {"tp": lambda world: dict(tp=world, sp=1), "sp": lambda world: dict(tp=1, sp=world)}
 
 
 def _ranks(rank: int, world_size: int):
     out = {}
-    for mode, sizes in MESHES.items():
+    for mode, sizes_of in MESHES.items():
+        sizes = sizes_of(world_size)
         mesh = init_mesh(**sizes, device_type="cpu")
         model = torch_cp.patch_model(tiny_qwen3(), context_parallel=True, mesh=mesh, mode=mode,
                                      page_size=PAGE)
@@ -187,8 +189,9 @@ def _ranks(rank: int, world_size: int):
 
 
 @pytest.mark.slow
-def test_p2_tokens_with_caching_equal_tokens_without(reference):
-    for rank, out in enumerate(run_ranks(2, _ranks)):
+@pytest.mark.parametrize("partners", [2, 4])
+def test_tokens_with_caching_equal_tokens_without_at_p(reference, partners):
+    for rank, out in enumerate(run_ranks(partners, _ranks)):
         for mode in MESHES:
             (plain, reused0, free0), (cached, reused, free) = out[mode, False], out[mode, True]
             assert plain == [reference, reference], (rank, mode)
