@@ -272,3 +272,21 @@ def test_a_page_computed_twice_is_cached_once():
     assert a.read_only_pages("y") == 1  # full, so never written again, cached or not
     a.release("y")
     assert y in a.state().free and a.lookup([1, 2, 3]) == [x]
+
+
+def test_keys_kept_by_the_caller_match_exactly_as_hashing_does():
+    """The scheduler hashes a waiting prompt once and passes its ``page_keys``: lookups,
+    admission charges and admits must equal those that hash the prompt themselves."""
+    from torch_cp.kv.prefix_cache import page_keys
+
+    alloc = PrefixCachingAllocator(num_pages=16, page_size=4)
+    cached = list(range(3, 17))  # 14 tokens: pages 0-2 full
+    assert alloc.admit("a", cached) == 0 and alloc.reserve("a", len(cached))
+    alloc.register("a", cached)
+    alloc.release("a")
+    for prompt in (cached, cached[:9], cached[:8] + [99, 98, 97, 96, 95], [1, 2, 3, 4, 5], [7]):
+        keys = page_keys(prompt, 4)
+        assert alloc.lookup(prompt, keys=keys) == alloc.lookup(prompt)
+        assert (alloc.admission_pages(prompt, 20, keys=keys)
+                == alloc.admission_pages(prompt, 20))
+    assert alloc.admit("b", cached[:9], keys=page_keys(cached[:9], 4)) == 8

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from torch_cp.kv.allocator import PageAllocator
-from torch_cp.kv.prefix_cache import PrefixCachingAllocator
+from torch_cp.kv.prefix_cache import PrefixCachingAllocator, page_keys
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Request:
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     cached: int = 0
+    prompt_keys: list[bytes] | None = field(default=None, repr=False)  # prefix-cache keys
 
     @property
     def tokens(self) -> list[int]:
@@ -129,8 +130,15 @@ class Scheduler:
     def _admission_pages(self, request: Request) -> int:
         """How much admitting ``request`` lowers free pages less promised pages."""
         if self.caching:
-            return self.allocator.admission_pages(request.prompt, request.lifetime_tokens)
+            return self.allocator.admission_pages(request.prompt, request.lifetime_tokens,
+                                                  keys=self._keys(request))
         return self.allocator.pages_for(request.lifetime_tokens)
+
+    def _keys(self, request: Request) -> list[bytes]:
+        """The prompt's page keys, hashed once (the head of the queue is looked up each step)."""
+        if request.prompt_keys is None:
+            request.prompt_keys = page_keys(request.prompt, self.allocator.page_size)
+        return request.prompt_keys
 
     def _admit(self) -> None:
         a = self.allocator
@@ -139,7 +147,8 @@ class Scheduler:
             request = self.waiting.popleft()
             free = a.free_pages
             if self.caching:  # shares the cached prefix: only the rest is prefilled
-                request.cached = a.admit(request.index, request.prompt)
+                request.cached = a.admit(request.index, request.prompt,
+                                         keys=self._keys(request))
                 self.reused_tokens += request.cached
             if a.state_slots:
                 a.take_state_slot(request.index)

@@ -94,31 +94,34 @@ class PrefixCachingAllocator(PageAllocator):
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
-    def lookup(self, prompt, max_cached_tokens: int | None = None) -> list[int]:
+    def lookup(self, prompt, max_cached_tokens: int | None = None,
+               keys: Sequence[bytes] | None = None) -> list[int]:
         """The cached pages ``admit`` would share for ``prompt`` (changes nothing).
 
         Only pages wholly inside ``prompt[:-1]`` count: the prompt's last token is always
         computed (its logits pick the first new token) and it must not land in a shared page,
         so a fully cached, page-aligned prompt recomputes its last page. ``max_cached_tokens``
         caps the match further (a hybrid model reuses a prefix only where it has a state
-        checkpoint)."""
-        return self._match(_ids(prompt), max_cached_tokens)[0]
+        checkpoint). ``keys``: the prompt's ``page_keys``, when the caller keeps them (a
+        waiting request is looked up every step; hashing its prompt once is enough)."""
+        return self._match(_ids(prompt), max_cached_tokens, keys)[0]
 
-    def admission_pages(self, prompt, num_tokens: int,
-                        max_cached_tokens: int | None = None) -> int:
+    def admission_pages(self, prompt, num_tokens: int, max_cached_tokens: int | None = None,
+                        keys: Sequence[bytes] | None = None) -> int:
         """How much ``free_pages`` drops if ``admit(prompt)`` then ``reserve(num_tokens)``
         succeed: the pages to allocate, plus the shared pages that stop being evictable."""
-        shared = self.lookup(prompt, max_cached_tokens)
+        shared = self.lookup(prompt, max_cached_tokens, keys)
         taken = sum(1 for page in shared if self._refs[page] == 0)
         return max(0, self.pages_for(num_tokens) - len(shared)) + taken
 
-    def admit(self, request_id, prompt, max_cached_tokens: int | None = None) -> int:
+    def admit(self, request_id, prompt, max_cached_tokens: int | None = None,
+              keys: Sequence[bytes] | None = None) -> int:
         """Start ``request_id``'s table with the longest cached prefix of ``prompt``'s full
         pages (see ``lookup``) and return the number of prompt tokens cached: a multiple of
         ``page_size``, at most ``len(prompt) - 1``. Allocates nothing; ``reserve`` does."""
         if request_id in self._tables:
             raise ValueError(f"admit({request_id!r}): the request already holds pages")
-        shared, keys = self._match(_ids(prompt), max_cached_tokens)
+        shared, keys = self._match(_ids(prompt), max_cached_tokens, keys)
         for page in shared:
             if self._refs[page] == 0:
                 del self._lru[page]
@@ -165,13 +168,15 @@ class PrefixCachingAllocator(PageAllocator):
         self._keys.pop(request_id, None)
         super().release(request_id)
 
-    def _match(self, prompt: list[int], max_cached_tokens: int | None):
+    def _match(self, prompt: list[int], max_cached_tokens: int | None,
+               known: Sequence[bytes] | None = None):
         limit = max(0, len(prompt) - 1)
         if max_cached_tokens is not None:
             limit = min(limit, max_cached_tokens)
         shared, keys, parent = [], [], _ROOT
         for page in range(limit // self.page_size):
-            key = page_key(parent, prompt[page * self.page_size:(page + 1) * self.page_size])
+            key = known[page] if known is not None else page_key(
+                parent, prompt[page * self.page_size:(page + 1) * self.page_size])
             if key not in self._page_of:
                 break
             shared.append(self._page_of[key])
