@@ -73,3 +73,22 @@ def test_prefill_profile_sets_torch_cp_beside_hugging_face(tmp_path):
         assert data[name]["ms"] > 0 and data[name]["by_kind"]["gemm"] > 0, data[name]
     assert data["torch_cp"]["steps_per_call"] == 1, "the whole prefill in one step"
     assert data["same_first_tokens"] == 2, "fp32: both prefills give the same first tokens"
+
+
+def test_capacity_benchmark_doubles_what_fits_with_context_parallelism(tmp_path):
+    """TP = 2 over one KV head, context parallelism off then on (its own job each), and SP at
+    one and two ranks: the pool the same memory holds doubles, and with it the batch at a
+    context and the longest single request."""
+    out = tmp_path / "c.json"
+    jobs = [(2, ["--setup", "tp", "--model", "gqa", "--context-parallel", cp]) for cp in
+            ("off", "on")] + [(n, ["--setup", "sp", "--model", "qwen3"]) for n in (1, 2)]
+    for n, flags in jobs:
+        run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+             "-m", "benchmarks.capacity", "--smoke", "--iters", "2", "--contexts", "256",
+             *flags, "--out", str(out)])
+    tp = {r["context_parallel"]: r for r in records(out) if r["setup"] == "tp"}
+    sp = {r["P"]: r for r in records(out) if r["setup"] == "sp"}
+    assert tp[True]["capacity_tokens"] == 2 * tp[False]["capacity_tokens"]
+    assert tp[True]["batch"] >= 2 * tp[False]["batch"] - 1 and tp[True]["tokens_per_s_per_gpu"]
+    assert sp[2]["capacity_tokens"] == 2 * sp[1]["capacity_tokens"]
+    assert sp[2]["context"] > sp[1]["context"] and sp[2]["step_ms"]
