@@ -75,10 +75,12 @@ def test_abort_returns_every_page_and_changes_no_other_request(hf_tokens, overla
     outputs = []
     for _ in range(when):
         outputs += e.step()
+    ahead = e._inflight is not None  # a step is launched ahead now: the abort lands on it
     e.abort(ids[0])
     outputs += list(e.stream())
     got, reasons = collect(outputs)
     assert reasons[ids[0]] == "abort"
+    assert ahead == (overlap and when == 7)  # late decode: every row decodes, one step ahead
     assert got[ids[0]] == hf_tokens[0][:len(got[ids[0]])]
     for i, want in zip(ids[1:], hf_tokens[1:]):
         assert got[i] == want and reasons[i] == "length"
