@@ -40,7 +40,9 @@ DEFAULT_GRAPH_ROWS = 64
 
 
 class Engine(BatchRuns, Serving):
-    """A patched model with one placed pool, reused across ``run`` calls.
+    """A patched model with one placed pool, reused across ``run`` calls (a whole batch,
+    ``engine/batch.py``) and requests submitted as they come (``submit`` / ``step`` /
+    ``stream`` / ``abort``, ``engine/serving.py``).
 
     Args:
         model: a model patched by ``torch_cp.patch_model`` (``model.torch_cp`` is its runtime).
