@@ -202,3 +202,18 @@ def test_run_and_generate_results_carry_the_streams_logprobs():
         torch.testing.assert_close(list(r.logprobs), streamed[rid], atol=1e-5, rtol=0)
         torch.testing.assert_close(list(g.logprobs), streamed[rid], atol=1e-5, rtol=0)
     assert engine().run(prompts, NEW)[0].logprobs == ()  # not asked: none
+
+
+def test_prefix_caching_through_the_stream_counts_reused_tokens(hf_tokens):
+    """Requests submitted after one that prefilled their shared prefix reuse its pages, and the
+    engine counts them as ``run`` does."""
+    e = engine(prefix_caching=True)
+    first = e.submit(PROMPTS[0], NEW)
+    outputs = []
+    while not any(o.request_id == first and o.token_ids for o in outputs):
+        outputs += e.step()
+    later = e.submit(PROMPTS[0], NEW)  # the same prompt: all but its last page is cached
+    got, _ = collect(outputs + list(e.stream()))
+    assert got[first] == got[later] == hf_tokens[0]
+    assert e.reused_tokens == 20 and e.prefilled_tokens == 2 * 24 - 20
+    assert_pool_whole(e)

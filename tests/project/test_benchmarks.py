@@ -92,3 +92,13 @@ def test_capacity_benchmark_doubles_what_fits_with_context_parallelism(tmp_path)
     assert tp[True]["batch"] >= 2 * tp[False]["batch"] - 1 and tp[True]["tokens_per_s_per_gpu"]
     assert sp[2]["capacity_tokens"] == 2 * sp[1]["capacity_tokens"]
     assert sp[2]["context"] > sp[1]["context"] and sp[2]["step_ms"]
+
+
+def test_serving_benchmark_reuses_a_shared_prefix_and_serves_a_poisson_stream(tmp_path):
+    out = tmp_path / "s.json"
+    for scenario in ("prefix", "poisson"):
+        run(["-m", "benchmarks.serving", "--smoke", "--scenario", scenario, "--out", str(out)])
+    rows = {(r["scenario"], r.get("prefix_caching")): r for r in records(out)}
+    off, on = rows["prefix", False], rows["prefix", True]
+    assert off["reused_tokens"] == 0 < on["reused_tokens"]
+    assert on["tokens"] == off["tokens"] and rows["poisson", None]["ttft_p99_s"] is not None

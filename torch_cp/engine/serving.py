@@ -117,14 +117,17 @@ class Serving:
         scheduler = self._scheduler
         if scheduler.done:
             return self._outputs
+        reused = scheduler.reused_tokens
         try:
-            _, _, ended = self._step(scheduler, self._sampling_of(), self._generators(),
-                                     frozenset())
+            prefilled, _, ended = self._step(scheduler, self._sampling_of(), self._generators(),
+                                             frozenset())
         except BaseException:
             scheduler.abort_all()
             self._options.clear()
             self._ahead = self._inflight = None
             raise
+        self.prefilled_tokens += prefilled
+        self.reused_tokens += scheduler.reused_tokens - reused
         self._report(ended)
         return self._outputs
 
