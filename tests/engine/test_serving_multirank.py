@@ -1,7 +1,7 @@
 """Under torchrun, rank 0 decides what is submitted and aborted (issue 17): two gloo ranks in TP
-mode (P = 2), where rank 1 submits other prompts and never aborts, stream the same outputs as
-rank 0, the unpatched model's tokens for the requests rank 0 submitted, and record identical
-partner collectives (lockstep)."""
+mode (P = 2), where rank 1 submits nothing and never aborts, stream the same outputs as rank 0,
+the unpatched model's tokens for the requests rank 0 submitted, and record identical partner
+collectives (lockstep)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def _serve(rank: int, world: int) -> dict:
     model.torch_cp.exchange.records = []
     e = torch_cp.Engine(model, num_pages=64, max_tokens_per_step=8, max_rows=4,
                         overlap_planning=True)
-    mine = PROMPTS if rank == 0 else [[3, 3, 3]]  # only rank 0's submissions count
-    ids = [e.submit(p, NEW) for p in mine]
+    # Only rank 0's submissions count: rank 1 submits nothing and still steps with rank 0.
+    ids = [e.submit(p, NEW) for p in PROMPTS] if rank == 0 else []
     outputs = e.step() + e.step()
     if rank == 0:
-        e.abort(ids[2] if len(ids) > 2 else 2)
+        e.abort(ids[2])
     outputs += list(e.stream())
     free = (e.allocator.free_pages, e.allocator.num_pages)
     return dict(outputs=[(o.request_id, o.token_ids, o.finished, o.finish_reason)

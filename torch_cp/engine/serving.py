@@ -104,8 +104,16 @@ class Serving:
         self._pending.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
+        """Whether a request is queued or running. Under torchrun it is rank 0's answer (a
+        collective: call it on every rank, as ``stream`` does), so that every rank steps as
+        often as rank 0, whose submissions alone count."""
         s = self._scheduler
-        return bool(self._pending) or (s is not None and not s.done)
+        local = bool(self._pending) or (s is not None and not s.done)
+        if not self.broadcast:
+            return local
+        box = [local]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def step(self) -> list[RequestOutput]:
         """Apply the submissions and aborts (rank 0's), run one step, and return what each
