@@ -29,16 +29,13 @@ no job inherits another's memory); each appends its records to ``--out``:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 
 import torch
 import torch.distributed as dist
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import Results, free_cuda, run_header, table
+from benchmarks.common import appending_results, free_cuda, table, torchrun_setup
 from benchmarks.long_context import PAGE, Decoder, capacity_tokens, time_steps
 from torch_cp.engine.memory import pool_bytes_per_page
 
@@ -132,17 +129,9 @@ def main() -> None:
     args.context_parallel = args.context_parallel == "on"
     args.contexts = [int(c) for c in (args.contexts or (
         "64,256" if args.smoke else "32768,131072")).split(",")]
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
-    args.backend = args.backend or ("flashinfer" if cuda else "torch")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
-    world, rank = dist.get_world_size(), dist.get_rank()
-    results = Results(args.out if rank == 0 else None, run_header(device))
-    if args.out and rank == 0 and os.path.exists(args.out):
-        with open(args.out) as f:
-            results.data["records"] = json.load(f)["records"]
+    device, world, rank = torchrun_setup(args.smoke)
+    args.backend = args.backend or ("flashinfer" if device.type == "cuda" else "torch")
+    results = appending_results(args.out, rank, device)
     records = (run_tp if args.setup == "tp" else run_sp)(args, device, world)
     if rank == 0:
         for record in records:

@@ -173,3 +173,30 @@ def free_cuda(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def torchrun_setup(smoke: bool) -> tuple[torch.device, int, int]:
+    """(device, world, rank) of a process torchrun launched: its CUDA device and NCCL, or the CPU
+    and gloo with ``smoke`` or without CUDA; the default process group initialised."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    return device, dist.get_world_size(), dist.get_rank()
+
+
+def appending_results(path: str | None, rank: int, device: torch.device) -> Results:
+    """Rank 0's ``Results`` to ``path``, after the records already there (each job of a series
+    appends its own); other ranks write nothing."""
+    import json
+
+    results = Results(path if rank == 0 else None, run_header(device))
+    if path and rank == 0 and Path(path).exists():
+        results.data["records"] = json.loads(Path(path).read_text())["records"]
+    return results

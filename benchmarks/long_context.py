@@ -32,9 +32,6 @@ Each run reports:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import time
 
 import torch
@@ -42,7 +39,7 @@ import torch.distributed as dist
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import Results, free_cuda, run_header, table
+from benchmarks.common import Results, appending_results, free_cuda, table, torchrun_setup
 from torch_cp.engine.memory import pool_bytes_per_page
 from torch_cp.engine.sampling import greedy_tokens
 from torch_cp.engine.scheduler import Row
@@ -204,17 +201,9 @@ def main() -> None:
     args.contexts = [int(c) for c in (args.contexts or (
         "256,1024" if args.smoke else "32768,131072")).split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
-    args.backend = args.backend or ("flashinfer" if cuda else "torch")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
-    world, rank = dist.get_world_size(), dist.get_rank()
-    results = Results(args.out if rank == 0 else None, run_header(device))
-    if args.out and rank == 0 and os.path.exists(args.out):
-        with open(args.out) as f:
-            results.data["records"] = json.load(f)["records"]
+    device, world, rank = torchrun_setup(args.smoke)
+    args.backend = args.backend or ("flashinfer" if device.type == "cuda" else "torch")
+    results = appending_results(args.out, rank, device)
     rows = []
     for name in args.models.split(","):
         start = time.perf_counter()
