@@ -92,11 +92,16 @@ def causal_mla_on_flashinfer(q_lens: Sequence[int], num_heads: int) -> bool:
 
 
 def dense_own_mla(q: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, real: torch.Tensor,
-                  token_row: torch.Tensor, scale: float, max_elements: int = 1 << 26) -> Partial:
+                  token_row: torch.Tensor, scale: float, max_elements: int = 1 << 26,
+                  bounds: list[int] | None = None) -> Partial:
     """Causal attention of each real token over its row's own tokens, in float32 chunks.
 
     Args:
         q: [N, H, R + rope]; ckv: [N, R]; kpe: [N, rope]; real: [N] bool; token_row: [N].
+        bounds: the real rows' token bounds on the host (``qo_indptr``), when known: each chunk
+            of a row's queries then scores that row's tokens only, not every packed token (a
+            step of B equal rows does 1/B of the work). Without them (a captured step, whose
+            rows change between replays) every chunk scores every token, masked.
     Returns:
         out [N, H, R] in q's dtype, lse [N, H] base 2 (0 and -inf for padding tokens).
     """
@@ -104,22 +109,28 @@ def dense_own_mla(q: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, real: t
     keys = torch.cat((ckv, kpe), -1).float().masked_fill(~real[:, None], 0)  # [N, R + rope]
     values = ckv.float().masked_fill(~real[:, None], 0)
     index = torch.arange(n, device=q.device)
-    chunk = max(1, max_elements // max(1, h * n))
     zero = torch.zeros((), dtype=torch.float32, device=q.device)
-    outs, lses = [], []
-    for start in range(0, n, chunk):
-        rows = slice(start, min(n, start + chunk))
-        scores = torch.einsum("chd,nd->chn", q[rows].float(), keys) * scale
-        visible = ((token_row[None, :] == token_row[rows, None])
-                   & (index[None, :] <= index[rows, None]) & real[rows, None])
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        lse = torch.logsumexp(scores, -1)  # [C, H]
-        finite = torch.isfinite(lse)
-        probs = torch.exp(scores - torch.where(finite, lse, zero).unsqueeze(-1))
-        out = torch.where(finite.unsqueeze(-1), torch.einsum("chn,nr->chr", probs, values), zero)
-        outs.append(out.to(q.dtype))
-        lses.append(lse / LN2)
-    return Partial(torch.cat(outs), torch.cat(lses))
+    spans = [(0, n, 0, n)] if bounds is None else [  # (queries, keys) of each row
+        (a, b, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    out = torch.zeros(n, h, ckv.shape[-1], dtype=q.dtype, device=q.device)
+    lse_nh = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q.device)
+    for q_start, q_end, k_start, k_end in spans:
+        chunk = max(1, max_elements // max(1, h * (k_end - k_start)))
+        for start in range(q_start, q_end, chunk):
+            rows = slice(start, min(q_end, start + chunk))
+            cols = slice(k_start, k_end)
+            scores = torch.einsum("chd,nd->chn", q[rows].float(), keys[cols]) * scale
+            visible = ((token_row[None, cols] == token_row[rows, None])
+                       & (index[None, cols] <= index[rows, None]) & real[rows, None])
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            lse = torch.logsumexp(scores, -1)  # [C, H]
+            finite = torch.isfinite(lse)
+            probs = torch.exp(scores - torch.where(finite, lse, zero).unsqueeze(-1))
+            out[rows] = torch.where(finite.unsqueeze(-1),
+                                    torch.einsum("chn,nr->chr", probs, values[cols]),
+                                    zero).to(q.dtype)
+            lse_nh[rows] = lse / LN2
+    return Partial(out, lse_nh)
 
 
 class FlashInferMLABackend(FlashInferBackend):
@@ -179,6 +190,8 @@ class _MLAKernels:
         self._real: torch.Tensor | None = None  # [N] tokens of real rows
         self._padding: torch.Tensor | None = None  # [N, 1] the others
         self._token_row: torch.Tensor | None = None  # [N] plan.token_row
+        self._eager = bucket is None
+        self._bounds: list[int] | None = None  # an eager step's row bounds (host)
 
     def _plan_wrapper(self, name: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int,
@@ -219,6 +232,8 @@ class _MLAKernels:
             self._real = staged(self._real, real_token_mask(plan))
             self._padding = staged(self._padding, ~self._real.unsqueeze(-1))
             self._token_row = staged(self._token_row, plan.token_row)
+            if self._eager:  # a captured step's rows change between replays: no host bounds
+                self._bounds = plan.qo_indptr_host[: plan.num_rows + 1].tolist()
         self._is_decode = plan.is_decode
 
     def _split(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +253,8 @@ class _MLAKernels:
         """q [N, q_heads, R + rope] over own tokens, causally; k = ckv [N, R], v = kpe [N, rope]."""
         assert not self._is_decode, "run_own() needs a planned multi-token step"
         if not self._own_on_flashinfer:
-            return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale)
+            return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale,
+                                 bounds=self._bounds)
         ckv = k.masked_fill(self._padding, 0).unsqueeze(1)  # [N, 1, R]: page i holds token i
         kpe = v.masked_fill(self._padding, 0).unsqueeze(1)
         out, lse = self._wrappers["own"].run(query=self._split(q), kv_cache=(ckv, kpe),
