@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_cp.state import LinearGeometry, StatePool
+from torch_cp.state import StatePool
 from torch_cp.tp import keep_entries, keep_in_features, keep_out_features, rank_slice
 
 
@@ -29,14 +29,6 @@ def linear_head_problems(config, tp: int) -> list[str]:
         problems.append(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads "
                         f"{hk}")
     return problems
-
-
-def linear_geometry(config, tp: int) -> LinearGeometry:
-    layers = sum(t == "linear_attention" for t in config.layer_types)
-    return LinearGeometry(layers=layers, k_heads=config.linear_num_key_heads // tp,
-                          v_heads=config.linear_num_value_heads // tp,
-                          k_dim=config.linear_key_head_dim, v_dim=config.linear_value_head_dim,
-                          conv_kernel=config.linear_conv_kernel_dim)
 
 
 def _heads(rank_heads: slice, width: int, offset: int = 0) -> torch.Tensor:

@@ -37,6 +37,32 @@ def sliding_window_problems(config) -> list[str]:
     return []
 
 
+def head_split_problems(config, tp: int) -> list[str]:
+    """Query heads that do not split over ``tp``, KV heads that neither split nor replicate."""
+    problems = []
+    heads = config.num_attention_heads
+    if heads % tp != 0:
+        problems.append(f"{heads} query heads do not split evenly over tp = {tp}")
+    try:
+        kv_head_replicas(config.num_key_value_heads, tp)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def gqa_geometry(config, tp: int, placement: ContextParallel) -> AttentionGeometry:
+    """Per-rank GQA attention shapes of ``config`` split over ``tp`` ranks (TP mode: the context
+    kernel sees every partner's query heads)."""
+    q_heads = config.num_attention_heads // tp
+    layout = kv_head_replicas(config.num_key_value_heads, tp)
+    head_dim = head_dim_of(config)
+    tp_mode = placement.size > 1 and placement.mode == "tp"
+    return AttentionGeometry(
+        kind="gqa", q_heads=q_heads, kv_heads=layout.heads_per_rank, head_dim=head_dim,
+        head_dim_v=head_dim, scale=head_dim**-0.5,
+        context_q_heads=q_heads * placement.size if tp_mode else q_heads)
+
+
 @dataclass(frozen=True)
 class GQAFamily:
     """A GQA family; see ``torch_cp.models.base.Family``.
@@ -68,25 +94,10 @@ class GQAFamily:
         return config.num_key_value_heads
 
     def problems(self, config, tp: int) -> list[str]:
-        problems = sliding_window_problems(config)
-        heads = config.num_attention_heads
-        if heads % tp != 0:
-            problems.append(f"{heads} query heads do not split evenly over tp = {tp}")
-        try:
-            kv_head_replicas(config.num_key_value_heads, tp)
-        except ValueError as e:
-            problems.append(str(e))
-        return problems
+        return sliding_window_problems(config) + head_split_problems(config, tp)
 
     def geometry(self, config, tp: int, placement: ContextParallel) -> AttentionGeometry:
-        q_heads = config.num_attention_heads // tp
-        layout = kv_head_replicas(config.num_key_value_heads, tp)
-        head_dim = head_dim_of(config)
-        tp_mode = placement.size > 1 and placement.mode == "tp"
-        return AttentionGeometry(
-            kind="gqa", q_heads=q_heads, kv_heads=layout.heads_per_rank, head_dim=head_dim,
-            head_dim_v=head_dim, scale=head_dim**-0.5,
-            context_q_heads=q_heads * placement.size if tp_mode else q_heads)
+        return gqa_geometry(config, tp, placement)
 
     def shard_attention(self, attn: nn.Module, tp_rank: int, tp: int,
                         layout: KVHeadLayout) -> None:

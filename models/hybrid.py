@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from torch_cp.attention.backend import AttentionGeometry
-from torch_cp.mesh import KVHeadLayout, kv_head_replicas
+from torch_cp.mesh import KVHeadLayout
 from torch_cp.models import deltanet
-from torch_cp.models.gqa import head_dim_of
+from torch_cp.models.gqa import gqa_geometry, head_dim_of, head_split_problems
 from torch_cp.placement import ContextParallel
 from torch_cp.state import LinearGeometry, StatePool
 from torch_cp.tp import keep_in_features, keep_out_features
@@ -77,28 +77,14 @@ class HybridFamily:
         if odd:
             problems.append(f"{config.model_type}: layer types {odd} are not supported (only "
                             f"{', '.join(LAYER_TYPES)})")
-        if config.num_attention_heads % tp:
-            problems.append(f"{config.num_attention_heads} query heads do not split evenly "
-                            f"over tp = {tp}")
-        try:
-            kv_head_replicas(config.num_key_value_heads, tp)
-        except ValueError as e:
-            problems.append(str(e))
-        return problems + deltanet.linear_head_problems(config, tp)
+        return (problems + head_split_problems(config, tp)
+                + deltanet.linear_head_problems(config, tp))
 
     def geometry(self, config, tp: int, placement: ContextParallel) -> AttentionGeometry:
-        config = text_config(config)
-        q_heads = config.num_attention_heads // tp
-        head_dim = head_dim_of(config)
-        tp_mode = placement.size > 1 and placement.mode == "tp"
-        return AttentionGeometry(
-            kind="gqa", q_heads=q_heads,
-            kv_heads=kv_head_replicas(config.num_key_value_heads, tp).heads_per_rank,
-            head_dim=head_dim, head_dim_v=head_dim, scale=head_dim**-0.5,
-            context_q_heads=q_heads * placement.size if tp_mode else q_heads)
+        return gqa_geometry(text_config(config), tp, placement)
 
     def linear_geometry(self, config, tp: int) -> LinearGeometry:
-        return deltanet.linear_geometry(text_config(config), tp)
+        return LinearGeometry.from_config(text_config(config), tp)
 
     def shard_attention(self, attn: nn.Module, tp_rank: int, tp: int,
                         layout: KVHeadLayout) -> None:

@@ -99,7 +99,7 @@ class Engine(BatchRuns, Serving):
         self.allocator = (PrefixCachingAllocator if prefix_caching else PageAllocator)(
             num_pages, page_size, state_slots)
         self.pool = self.runtime.new_pool(num_pages, page_size)
-        self.state = new_state_pool(self.runtime, state_slots) if hybrid else None
+        self.state = new_state_pool(self.runtime, state_slots)  # None unless hybrid
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
         self.broadcast = (self.runtime.spans_ranks and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() > 1)

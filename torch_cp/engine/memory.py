@@ -90,10 +90,7 @@ def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int
     dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    geometry = LinearGeometry(layers, config.linear_num_key_heads // tp,
-                              config.linear_num_value_heads // tp, config.linear_key_head_dim,
-                              config.linear_value_head_dim, config.linear_conv_kernel_dim)
-    return requests * geometry.slot_bytes(dtype)
+    return requests * LinearGeometry.from_config(config, tp).slot_bytes(dtype)
 
 
 def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:

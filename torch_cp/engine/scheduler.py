@@ -234,7 +234,11 @@ class Scheduler:
         return finished
 
     def abort(self, request_index: int) -> Request:
-        """Stop a running request and return its pages."""
+        """Stop a request, running (its pages and state slot return) or waiting."""
+        if request_index not in self.running:
+            request = next(r for r in self.waiting if r.index == request_index)
+            self.waiting.remove(request)
+            return request
         request = self.running.pop(request_index)
         self.allocator.release(request_index)
         return request

@@ -172,10 +172,7 @@ class Serving:
                 s.add(Request(rid, prompt, new))
             elif op[1] in self._options:
                 rid = op[1]
-                if rid in s.running:
-                    s.abort(rid)
-                else:
-                    s.waiting = type(s.waiting)(r for r in s.waiting if r.index != rid)
+                s.abort(rid)
                 del self._options[rid]
                 self._outputs.append(RequestOutput(rid, (), True, "abort"))
 
@@ -191,7 +188,6 @@ class Serving:
         want = [(i, b) for i, b in enumerate(step.sampled)
                 if (o := self._options.get(step.rows[b].request)) is not None
                 and o.logprobs is not None]
-        step.logprob_rows = None
         if not want:
             return
         rows = torch.tensor([i for i, _ in want], device=step.logits.device)
@@ -206,7 +202,7 @@ class Serving:
         if self._committed is None:
             return {}
         launched, tokens = self._committed
-        lp = getattr(launched, "logprob_rows", None)
+        lp = launched.logprob_rows
         out = {}
         for b, row in enumerate(launched.rows):
             token = tokens.get(row.request)

@@ -148,6 +148,7 @@ class LaunchedStep:
     sampled: list[int]
     logits: torch.Tensor
     device_ids: torch.Tensor | None = None
+    logprob_rows: tuple | None = None  # (row -> index, log-softmax, top k) of rows that ask
     _host_ids: torch.Tensor | None = None
     _arrived: torch.cuda.Event | None = None
 

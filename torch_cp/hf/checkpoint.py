@@ -58,16 +58,11 @@ class Leaf:
 
 
 @dataclass(frozen=True)
-class Stack:
-    """``torch.stack(parts, dim)`` (transformers' ``MergeModulelist``)."""
+class _Parts:
+    """A tensor made of ``parts`` along ``dim``; it reads the files its parts read."""
 
     dim: int
     parts: tuple
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        s = self.parts[0].shape
-        return (*s[:self.dim], len(self.parts), *s[self.dim:])
 
     @property
     def files(self) -> set[str]:
@@ -75,20 +70,23 @@ class Stack:
 
 
 @dataclass(frozen=True)
-class Cat:
-    """``torch.cat(parts, dim)`` (transformers' ``Concatenate``)."""
+class Stack(_Parts):
+    """``torch.stack(parts, dim)`` (transformers' ``MergeModulelist``)."""
 
-    dim: int
-    parts: tuple
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = self.parts[0].shape
+        return (*s[:self.dim], len(self.parts), *s[self.dim:])
+
+
+@dataclass(frozen=True)
+class Cat(_Parts):
+    """``torch.cat(parts, dim)`` (transformers' ``Concatenate``)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
         s = self.parts[0].shape
         return (*s[:self.dim], sum(p.shape[self.dim] for p in self.parts), *s[self.dim + 1:])
-
-    @property
-    def files(self) -> set[str]:
-        return set().union(*(p.files for p in self.parts))
 
 
 def _part_problems(node) -> list[str]:

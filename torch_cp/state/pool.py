@@ -37,6 +37,15 @@ class LinearGeometry:
     v_dim: int
     conv_kernel: int
 
+    @classmethod
+    def from_config(cls, config, tp: int = 1) -> LinearGeometry:
+        """The shapes of a hybrid text ``config``'s linear layers on one of ``tp`` ranks."""
+        return cls(layers=sum(t == "linear_attention" for t in config.layer_types),
+                   k_heads=config.linear_num_key_heads // tp,
+                   v_heads=config.linear_num_value_heads // tp,
+                   k_dim=config.linear_key_head_dim, v_dim=config.linear_value_head_dim,
+                   conv_kernel=config.linear_conv_kernel_dim)
+
     @property
     def conv_channels(self) -> int:
         """Conv channels: q, k (``k_heads * k_dim`` each) and v (``v_heads * v_dim``)."""
