@@ -12,13 +12,9 @@ from torch_cp.placement import page_size_problems
 from torch_cp.state import LinearGeometry
 
 
-def _per_slot_elements(model_or_config) -> tuple[int, int, torch.dtype]:
-    """(layers, cache elements of one token slot of one layer, dtype) of one unplaced rank."""
-    runtime = getattr(model_or_config, "torch_cp", None)
-    if runtime is not None:
-        g = runtime.geometry
-        per_slot = 2 * g.kv_heads * g.head_dim if g.kind == "gqa" else g.kv_lora_rank + g.rope_dim
-        return runtime.num_layers, per_slot, runtime.dtype
+def _config_and_dtype(model_or_config) -> tuple[object, torch.dtype]:
+    """The text config of an unpatched model or config, and the dtype its caches take (the
+    model's, else the config's, else float32)."""
     config = getattr(model_or_config, "config", model_or_config)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     dtype = getattr(model_or_config, "dtype", None)
@@ -26,6 +22,17 @@ def _per_slot_elements(model_or_config) -> tuple[int, int, torch.dtype]:
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
+    return config, dtype
+
+
+def _per_slot_elements(model_or_config) -> tuple[int, int, torch.dtype]:
+    """(layers, cache elements of one token slot of one layer, dtype) of one unplaced rank."""
+    runtime = getattr(model_or_config, "torch_cp", None)
+    if runtime is not None:
+        g = runtime.geometry
+        per_slot = 2 * g.kv_heads * g.head_dim if g.kind == "gqa" else g.kv_lora_rank + g.rope_dim
+        return runtime.num_layers, per_slot, runtime.dtype
+    config, dtype = _config_and_dtype(model_or_config)
     if getattr(config, "kv_lora_rank", None):
         per_slot = config.kv_lora_rank + config.qk_rope_head_dim
     else:
@@ -73,7 +80,8 @@ def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int
 
     Args:
         model_or_config: a patched model (its per-rank share), or an unpatched model / config
-            (split over ``tp`` ranks; the conv state in the config's dtype, default float32).
+            (split over ``tp`` ranks; the conv state in the model's dtype, else the config's,
+            else float32).
         requests: running requests (each holds one state slot).
     """
     if requests < 0 or tp < 1:
@@ -82,14 +90,9 @@ def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int
     if runtime is not None:
         return 0 if runtime.linear is None else requests * runtime.linear.slot_bytes(
             runtime.dtype)
-    config = getattr(model_or_config, "config", model_or_config)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = sum(t == "linear_attention" for t in getattr(config, "layer_types", None) or ())
-    if not layers:
+    config, dtype = _config_and_dtype(model_or_config)
+    if not any(t == "linear_attention" for t in getattr(config, "layer_types", None) or ()):
         return 0
-    dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
     return requests * LinearGeometry.from_config(config, tp).slot_bytes(dtype)
 
 
