@@ -99,9 +99,10 @@ def run_engine(model, cuda_graphs: bool, num_pages: int = 64, overlap: bool = Fa
 
 def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple | None]:
     """Per prompt: None where the streams agree, else (|logit a - logit b|, max(|a|, |b|),
-    router near-tie) of the unpatched model at the first position where they differ (the last
-    item: whether a MoE router there ranks two experts within a near-tie, ``router_near_tie``)."""
-    from gpu_models import router_near_tie
+    flip) of the unpatched model at the first position where they differ (the last item: whether
+    one expert choice at a router near-tie, made the other way, gives ``got``'s token,
+    ``router_flip_explains``)."""
+    from router_ties import router_flip_explains
 
     model = build(case, dtype, device)
     gaps = []
@@ -114,7 +115,7 @@ def near_tie_gaps(case: Case, dtype, device, expected, got) -> list[tuple | None
         with torch.inference_mode():
             logits = model(ids).logits[0, -1]
         a, b = logits[want[d]].float().item(), logits[have[d]].float().item()
-        gaps.append((abs(a - b), max(abs(a), abs(b)), router_near_tie(model, ids)))
+        gaps.append((abs(a - b), max(abs(a), abs(b)), router_flip_explains(model, ids, have[d])))
     return gaps
 
 

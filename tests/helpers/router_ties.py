@@ -1,0 +1,95 @@
+"""MoE routers at a near-tie: where a bf16 MoE model computed in another order (TP sums, another
+attention kernel, grouped experts, rows packed into other batches) may pick another expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu_models import near_tie
+
+
+def gates(model) -> list[torch.nn.Module]:
+    return [m.gate for m in model.modules()
+            if isinstance(getattr(m, "experts", None), torch.nn.Module)]
+
+
+def choice_scores(gate, h_td: torch.Tensor) -> torch.Tensor:
+    """[T, experts]: what ``gate`` ranks experts by (sigmoid plus the correction bias for GLM and
+    DeepSeek routers; the logits, whose softmax keeps their order, for Qwen's)."""
+    logits = F.linear(h_td.float(), gate.weight.float())
+    bias = getattr(gate, "e_score_correction_bias", None)
+    return logits if bias is None else logits.sigmoid() + bias.float()
+
+
+def _ties(model, ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Every (gate, position, k-th expert, (k+1)-th expert) of ``ids`` [1, T] where the router's
+    two scores are within ``near_tie`` of each other (against its largest score there)."""
+    k = model.config.get_text_config().num_experts_per_tok
+    found = []
+
+    def record(index):
+        def hook(gate, args, _out):
+            scores = choice_scores(gate, args[0].reshape(-1, gate.weight.shape[-1]))
+            top, experts = scores.sort(-1, descending=True)
+            for p in range(scores.shape[0]):
+                if near_tie((top[p, k - 1] - top[p, k]).item(), top[p].abs().max().item()):
+                    found.append((index, p, experts[p, k - 1].item(), experts[p, k].item()))
+        return hook
+
+    with _hooked(model, record):
+        model(ids)
+    return found
+
+
+class _hooked:
+    def __init__(self, model, make_hook):
+        self.handles = [g.register_forward_hook(make_hook(i)) for i, g in enumerate(gates(model))]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def _flipped_logits(model, ids, tie) -> torch.Tensor:
+    """The last position's logits with one near-tie of ``_ties`` decided the other way: the
+    hidden state the gate reads at that position nudged along (w_b - w_a), just enough that the
+    gate picks expert b over a, everything else as computed."""
+    where, p, a, b = tie
+
+    def make(index):
+        def hook(gate, args, out):
+            if index != where:
+                return None
+            h = args[0].reshape(-1, gate.weight.shape[-1])
+            direction = (gate.weight[b] - gate.weight[a]).to(h.dtype)
+            for step in range(1, 40):
+                row = gate.forward(h[p:p + 1] + 2.0 ** (step - 30) * direction)
+                picked = row[-1][0].tolist()
+                if b in picked and a not in picked:
+                    break
+            else:
+                raise AssertionError(f"could not flip gate {where} at {p} from {a} to {b}")
+            return tuple(torch.cat([o[:p], r, o[p + 1:]]) for o, r in zip(out, row))
+        return hook
+
+    with _hooked(model, make):
+        return model(ids).logits[0, -1].float()
+
+
+@torch.inference_mode()
+def router_flip_explains(model, ids: torch.Tensor, token: int) -> bool:
+    """Whether one expert choice the unpatched ``model`` makes at a near-tie, anywhere in ``ids``
+    [1, T] (a flip at an earlier position reaches the last one through the KV and a hybrid's
+    recurrent state), made the other way, makes ``token`` its greedy next token (or within
+    ``near_tie`` of it). A split that one flip at a router near-tie does not explain is a fault:
+    a wrong state, page or expert changes far more than one such choice."""
+    for tie in _ties(model, ids):
+        logits = _flipped_logits(model, ids, tie)
+        best = logits.max().item()
+        if near_tie(best - logits[token].item(), abs(best)):
+            return True
+    return False
