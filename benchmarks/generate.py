@@ -79,10 +79,21 @@ class TorchCP:
         self.model = model
         self.hybrid = getattr(self.engine, "state", None) is not None
 
-    def run(self, prompts: list[list[int]], new_tokens: int, device) -> Timing:
-        batch, prompt = len(prompts), len(prompts[0])
+    def warm_up(self, prompts: list[list[int]]) -> float:
+        """Seconds of an untimed run of ``prompts`` with the timed run's steps (so its prefill
+        step's shapes are compiled and tuned), like the peers' warm-up calls."""
+        start = time.perf_counter()
+        self.size_steps(prompts)
+        self.engine.run(prompts, 2, eos_token_ids=())
+        return time.perf_counter() - start
+
+    def size_steps(self, prompts: list[list[int]]) -> None:
         # The whole prefill in one step where it fits 64k tokens (as Hugging Face prefills).
-        self.engine.max_tokens_per_step = min(batch * prompt, 65536)
+        self.engine.max_tokens_per_step = min(len(prompts) * len(prompts[0]), 65536)
+
+    def run(self, prompts: list[list[int]], new_tokens: int, device) -> Timing:
+        batch = len(prompts)
+        self.size_steps(prompts)
         stamps: list[tuple[float, set[int]]] = []
         tokens_of = self.engine._tokens
 
@@ -148,10 +159,7 @@ def run_system(name: str, state: dict, model, prompts, new_tokens: int, device,
     ids = torch.tensor(prompts, device=device)
     extra = {}
     if name.startswith("torch_cp"):
-        # Like the peers' warm-up calls: the process's first prefill of this shape runs untimed.
-        start = time.perf_counter()
-        state[name].engine.run(prompts, 2, eos_token_ids=())
-        extra["warmup_s"] = time.perf_counter() - start
+        extra["warmup_s"] = state[name].warm_up(prompts)
         return state[name].run(prompts, new_tokens, device), extra
     if name == "hf_dynamic":
         return peers.hf_generate(model, ids, new_tokens, "dynamic", device), extra
