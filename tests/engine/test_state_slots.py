@@ -1,5 +1,6 @@
 """State slots of a hybrid model (engine/scheduler.py, kv/allocator.py): admission takes one per
-request, ``release`` returns it with the pages (invariant 7 for state).
+request, ``release`` returns it with the pages (invariant 7 for state); with prefix caching, state
+checkpoints (kv/state_checkpoints.py) hold the state a request starts from.
 
 The scheduler is driven alone over a ``PageAllocator(state_slots=S)`` with random arrivals,
 steps (retried smaller, or foreseen and launched ahead), EOS, aborts and ``abort_all`` (also
@@ -8,11 +9,26 @@ every call: no slot is held by two requests, every running request holds one and
 does, free + held == S (none lost), no more requests run than there are slots, and a waiting head
 is kept out only by a full set of slots, rows or pages; when every request has ended, every slot
 and page is back.
+
+With a ``PrefixCachingAllocator`` (checkpoint slots after the running ones) the machine also
+plays the state itself: each slot's contents are the tokens its state has consumed. Restores
+copy a checkpoint into an admitted request's slot before its step, each step's rows consume
+their tokens, and the checkpoint copies follow the step. Every row that does not start fresh
+(from the zero slot) must find in its slot exactly the tokens before its start: a request
+admitted onto a cached prefix starts from the state of that prefix, never another's; checkpoint
+slots are never a running request's, and no two checkpoints share one.
 """
 
 from __future__ import annotations
 
-from admission import EOS, TOKEN, WatchedAllocator, check_promises, promised
+from admission import (
+    EOS,
+    TOKEN,
+    WatchedAllocator,
+    WatchedCachingAllocator,
+    check_promises,
+    promised,
+)
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,7 +39,7 @@ from hypothesis.stateful import (
 )
 
 from torch_cp.engine.scheduler import Request, Scheduler
-from torch_cp.kv import PageAllocator
+from torch_cp.kv import PageAllocator, PrefixCachingAllocator
 
 PAGE_SIZE, NUM_PAGES = 2, 24  # a lifetime (prompt <= 8, new <= 6) takes at most 7 pages
 
@@ -37,13 +53,17 @@ def check_slots(alloc: PageAllocator, scheduler: Scheduler, where: str, admitted
     assert set(alloc.live_requests) <= set(running), f"{where}: an ended request holds a slot"
     assert alloc.free_state_slots + len(held) == alloc.state_slots, f"{where}: a slot lost"
     assert len(running) <= alloc.state_slots, f"{where}: more running requests than slots"
+    if isinstance(alloc, PrefixCachingAllocator):
+        kept = list(alloc.checkpoints.held().values())
+        assert len(set(kept)) == len(kept), f"{where}: two checkpoints in one slot: {kept}"
+        assert set(kept) <= set(alloc.checkpoints.slots), f"{where}: {kept}"
     if admitted and scheduler.waiting and not alloc.free_state_slots:
         event("a request waits for a slot")
     if admitted and scheduler.waiting and alloc.free_state_slots:
         head = scheduler.waiting[0]  # a free slot: only full rows or too few pages keep it out
         rows_full = scheduler.max_rows is not None and len(running) >= scheduler.max_rows
         pages = alloc.free_pages - promised(alloc, scheduler)
-        assert rows_full or alloc.pages_for(head.lifetime_tokens) > pages, (
+        assert rows_full or scheduler._admission_pages(head) > pages, (
             f"{where}: request {head.index} waits with a free slot, row and pages")
 
 
@@ -59,19 +79,43 @@ class Slots(RuleBasedStateMachine):
         self.scheduler: Scheduler | None = None
         self.next_index = 0
         self.ahead = None
+        self.contents: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its state consumed
 
     @initialize(slots=st.integers(1, 4), budget=st.integers(1, 12),
-                max_rows=st.sampled_from([None, 1, 2, 3, 6]))
-    def start(self, slots, budget, max_rows):
-        self.alloc = WatchedAllocator(NUM_PAGES, PAGE_SIZE, slots)
+                max_rows=st.sampled_from([None, 1, 2, 3, 6]), checkpoints=st.integers(0, 3))
+    def start(self, slots, budget, max_rows, checkpoints):
+        self.alloc = (WatchedCachingAllocator(NUM_PAGES, PAGE_SIZE, slots, checkpoints)
+                      if checkpoints else WatchedAllocator(NUM_PAGES, PAGE_SIZE, slots))
         self.scheduler = Scheduler(self.alloc, max_tokens_per_step=budget, max_rows=max_rows)
+
+    def run_rows(self, rows) -> None:
+        """The state side of a step: restores, the rows' tokens, then checkpoint copies."""
+        s, a = self.scheduler, self.alloc
+        if isinstance(a, PrefixCachingAllocator):
+            for source, slot in a.take_restores():
+                assert source in a.checkpoints.slots and slot < a.state_slots, (source, slot)
+                self.contents[slot] = self.contents[source]
+                event("a request admitted onto a checkpoint")
+        for r in rows:
+            tokens, slot = tuple(s.running[r.request].tokens), a.state_slot(r.request)
+            if r.start:
+                assert self.contents.get(slot) == tokens[:r.start], (
+                    f"request {r.request} resumes at {r.start} from another state")
+            self.contents[slot] = tokens[:r.start + r.length]
+        for request, key in s.checkpoint_keys(rows):
+            copy = a.save_checkpoint(request, key)
+            if copy is not None:
+                source, slot = copy
+                assert slot in a.checkpoints.slots and source == a.state_slot(request)
+                self.contents[slot] = self.contents[source]
+                event("a checkpoint taken")
 
     @rule(requests=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 6)), min_size=1,
                             max_size=3))
     def arrive(self, requests):
         for prompt, new in requests:
             i, self.next_index = self.next_index, self.next_index + 1
-            self.scheduler.add(Request(i, [1 + (i + k) % 7 for k in range(prompt)], new))
+            self.scheduler.add(Request(i, [1 + (i % 3 + k) % 7 for k in range(prompt)], new))
 
     @rule(retry=st.booleans(), foresee=st.booleans(), data=st.data())
     def step(self, retry, foresee, data):
@@ -92,6 +136,7 @@ class Slots(RuleBasedStateMachine):
         if foresee:
             self.ahead = s.next_decode_rows(rows)
             self.check("foreseen")
+        self.run_rows(rows)
         eos = st.sampled_from([False, False, False, True])
         tokens = {r.request: EOS if data.draw(eos, label=f"EOS for {r.request}") else TOKEN
                   for r in rows if r.samples}
@@ -141,6 +186,7 @@ class Slots(RuleBasedStateMachine):
                 break
             rows = s.schedule()
             self.check("draining", admitted=True)
+            self.run_rows(rows)
             s.commit(rows, {r.request: TOKEN for r in rows if r.samples}, frozenset({EOS}))
         assert s.done, "the requests end"
         assert self.alloc.free_state_slots == self.alloc.state_slots, "every slot returns"

@@ -21,8 +21,8 @@ EOS, TOKEN = 9, 5
 class _Watched:
     """Records every refused reservation."""
 
-    def __init__(self, num_pages: int, page_size: int, state_slots: int = 0):
-        super().__init__(num_pages, page_size, state_slots)
+    def __init__(self, num_pages: int, page_size: int, state_slots: int = 0, *extra):
+        super().__init__(num_pages, page_size, state_slots, *extra)
         self.refused: list[tuple[object, int]] = []
 
     def reserve(self, request_id, num_tokens: int) -> bool:

@@ -143,11 +143,11 @@ def no_allocation(monkeypatch, hybrid):
 
 @pytest.mark.usefixtures("no_allocation")
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(prefix_caching=True), "prefix_caching=True: a hybrid model (linear attention) could "
-     "reuse a cached prefix only from a state checkpoint at its end"),
+    (dict(state_checkpoints=4), "state_checkpoints: only a hybrid model (linear attention) "
+     "with prefix_caching=True keeps state checkpoints"),
     (dict(mixed_buckets=[(2, 16)]), "mixed_buckets: a hybrid model's multi-token steps run the "
      "chunked gated delta rule per row from host lengths, which a CUDA graph cannot hold"),
-], ids=["prefix-caching", "mixed-buckets"])
+], ids=["checkpoints-without-caching", "mixed-buckets"])
 def test_engine_refuses_what_a_hybrid_cannot_run(hybrid, kwargs, reason):
     with pytest.raises(ValueError, match="invalid engine") as info:
         torch_cp.Engine(hybrid, num_pages=8, **kwargs)
@@ -157,11 +157,13 @@ def test_engine_refuses_what_a_hybrid_cannot_run(hybrid, kwargs, reason):
 @pytest.mark.usefixtures("no_allocation")
 def test_engine_names_hybrid_and_other_problems_together(hybrid):
     with pytest.raises(ValueError) as info:
-        torch_cp.Engine(hybrid, num_pages=0, prefix_caching=True, mixed_buckets=[(2, 16)])
+        torch_cp.Engine(hybrid, num_pages=0, prefix_caching=True, state_checkpoints=-1,
+                        mixed_buckets=[(2, 16)])
     message = str(info.value)
     for text in ("num_pages must be a positive int, got 0",
                  "mixed_buckets are captured shapes: they need cuda_graphs=True",
-                 "prefix_caching=True: a hybrid model", "mixed_buckets: a hybrid model"):
+                 "state_checkpoints must be a positive int or None, got -1",
+                 "mixed_buckets: a hybrid model"):
         assert text in message, text
 
 

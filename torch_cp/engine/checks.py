@@ -24,7 +24,8 @@ def _bucket_problems(mixed_buckets) -> list[str]:
 
 def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, max_rows,
                     max_pages_per_row, mixed_buckets, cuda_graphs: bool, compile: bool,
-                    device, prefix_caching=False, hybrid: bool = False) -> list[str]:
+                    device, prefix_caching=False, hybrid: bool = False,
+                    state_checkpoints=None) -> list[str]:
     """Every problem with ``Engine``'s arguments (see its docstring); empty when none."""
     problems = []
     if not _positive_int(num_pages):
@@ -47,10 +48,13 @@ def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, ma
         problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
     if not isinstance(prefix_caching, bool):
         problems.append(f"prefix_caching must be True or False, got {prefix_caching!r}")
-    if hybrid and prefix_caching is True:
-        problems.append("prefix_caching=True: a hybrid model (linear attention) could reuse a "
-                        "cached prefix only from a state checkpoint at its end, which torch_cp "
-                        "does not keep yet; use prefix_caching=False")
+    if state_checkpoints is not None:
+        if not (hybrid and prefix_caching is True):
+            problems.append("state_checkpoints: only a hybrid model (linear attention) with "
+                            "prefix_caching=True keeps state checkpoints")
+        elif not _positive_int(state_checkpoints):
+            problems.append(f"state_checkpoints must be a positive int or None, got "
+                            f"{state_checkpoints!r}")
     if hybrid and mixed_buckets and not buckets:
         problems.append("mixed_buckets: a hybrid model's multi-token steps run the chunked "
                         "gated delta rule per row from host lengths, which a CUDA graph cannot "

@@ -73,6 +73,12 @@ class Engine(BatchRuns, Serving):
             chain from the first token) so that later requests sharing that prefix, in this or
             a later ``run``, skip its prefill; cached pages no request holds are evicted, least
             recently used first, when the pool needs them. Tokens are the same either way.
+            A hybrid model (linear attention) reuses a prefix only up to a state checkpoint:
+            its prompts prefill in chunks that end at page boundaries (and at the last one a
+            later prompt could share), and the state at each chunk's end is kept.
+        state_checkpoints: state-pool slots that keep those checkpoints, each a request's
+            whole state (``state_bytes``); the least recently used gives way (default, with
+            ``prefix_caching`` on a hybrid model: as many as requests may run).
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
@@ -80,7 +86,7 @@ class Engine(BatchRuns, Serving):
                  cuda_graphs: bool = False, max_pages_per_row: int | None = None,
                  mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False,
                  overlap_planning: bool = False, progress: bool = False,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, state_checkpoints: int | None = None):
         self.model = model
         self.runtime = runtime_of(model)
         page_size = self.runtime.page_size if page_size is None else page_size
@@ -88,7 +94,7 @@ class Engine(BatchRuns, Serving):
         problems = engine_problems(num_pages, page_size, self.runtime.placement.size,
                                    max_tokens_per_step, max_rows, max_pages_per_row,
                                    mixed_buckets, cuda_graphs, compile, self.runtime.device,
-                                   prefix_caching, hybrid)
+                                   prefix_caching, hybrid, state_checkpoints)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size
@@ -96,10 +102,12 @@ class Engine(BatchRuns, Serving):
         self.max_rows = max_rows
         # A hybrid model's running requests each hold a state slot: max_rows of them.
         state_slots = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
-        self.allocator = (PrefixCachingAllocator if prefix_caching else PageAllocator)(
-            num_pages, page_size, state_slots)
+        checkpoints = (state_checkpoints or state_slots) if prefix_caching else 0
+        self.allocator = (PrefixCachingAllocator(num_pages, page_size, state_slots, checkpoints)
+                          if prefix_caching else PageAllocator(num_pages, page_size, state_slots))
         self.pool = self.runtime.new_pool(num_pages, page_size)
-        self.state = new_state_pool(self.runtime, state_slots)  # None unless hybrid
+        # None unless hybrid; the checkpoints' slots follow the running requests'.
+        self.state = new_state_pool(self.runtime, state_slots + checkpoints)
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
         self.broadcast = (self.runtime.spans_ranks and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() > 1)
@@ -184,7 +192,20 @@ class Engine(BatchRuns, Serving):
                 rows = scheduler.schedule(max_rows=max_rows, max_tokens=max_tokens)
         requests = [scheduler.running[r.request] for r in rows]
         ids = [t for r, q in zip(rows, requests) for t in q.tokens[r.start:r.start + r.length]]
-        return self._launch(step, rows, ids, sampling), []
+        if scheduler.checkpointing:  # rows admitted onto a checkpoint start from its state
+            for source, slot in self.allocator.take_restores():
+                self.state.copy_slot(source, slot)
+        launched = self._launch(step, rows, ids, sampling)
+        for request, key in scheduler.checkpoint_keys(rows):
+            copy = self.allocator.save_checkpoint(request, key)
+            if copy is None:
+                continue
+            try:  # queued after the step, before anything that reads it
+                self.state.copy_slot(*copy)
+            except BaseException:
+                self.allocator.checkpoints.drop(key)  # never a key over a stale slot
+                raise
+        return launched, []
 
     def _planned(self, rows: list[Row]) -> PlannedStep:
         ahead, self._ahead = self._ahead, None

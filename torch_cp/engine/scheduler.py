@@ -16,6 +16,11 @@ the cached pages of its prompt's longest cached prefix, it starts with those tok
 (only the rest is prefilled), and its admission is charged ``admission_pages`` (the pages it
 allocates plus the shared pages that stop being evictable), so the same promise holds. After a
 step commits, the full pages it wrote are registered for later requests to share.
+
+A hybrid model's requests reuse a cached prefix only up to a state checkpoint (``kv/
+state_checkpoints.py``). Its prompts' prefill chunks end at page boundaries, and at the prompt's
+last page boundary that a later prompt could share, so that a checkpoint is taken at each chunk
+end (``checkpoint_keys``).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # in admission order
         self.caching = isinstance(allocator, PrefixCachingAllocator)
+        self.checkpointing = self.caching and allocator.checkpoints is not None
         self.reused_tokens = 0  # prompt tokens admitted with their KV already cached
 
     def fits_ever(self, request: Request) -> bool:
@@ -174,11 +180,39 @@ class Scheduler:
             n = min(request.pending, budget)
             assert n >= 1, "a running request always has a token to feed"
             end = request.cached + n
-            rows.append(Row(request.index, request.cached, n, samples=end == len(request.tokens)))
+            if self.checkpointing and not request.decoding:
+                end = self._checkpoint_end(request, end)
+            rows.append(Row(request.index, request.cached, end - request.cached,
+                            samples=end == len(request.tokens)))
             reserved = self.allocator.reserve(request.index, end)
             assert reserved, "admission promised these pages"
-            budget -= n
+            budget -= end - request.cached
         return rows
+
+    def _checkpoint_end(self, request: Request, end: int) -> int:
+        """Where a hybrid model's prefill chunk of ``request`` ending at ``end`` stops instead:
+        at the prompt's last page boundary a later prompt could share (inside ``prompt[:-1]``)
+        if it would pass it, else at a page boundary if it stops short of the prompt's end."""
+        page, start = self.allocator.page_size, request.cached
+        last = (len(request.prompt) - 1) // page * page
+        if start < last < end:
+            return last
+        if end < len(request.prompt) and end // page * page > start:
+            return end // page * page
+        return end
+
+    def checkpoint_keys(self, rows: list[Row]) -> list[tuple[int, bytes]]:
+        """(request, page key) of the rows of a hybrid model's step that end a prompt's page:
+        where the step leaves a state worth keeping as a checkpoint."""
+        if not self.checkpointing:
+            return []
+        page, keys = self.allocator.page_size, []
+        for row in rows:
+            request = self.running[row.request]
+            end = row.start + row.length
+            if end % page == 0 and 0 < end <= len(request.prompt) and not request.decoding:
+                keys.append((row.request, self._keys(request)[end // page - 1]))
+        return keys
 
     def next_decode_rows(self, rows: list[Row]) -> list[Row] | None:
         """What ``schedule`` will return after ``rows`` commit, if no request stops at an EOS

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_cp.kv.allocator import PageAllocator
+from torch_cp.kv.state_checkpoints import StateCheckpoints
 
 _ROOT = b""
 
@@ -72,10 +73,23 @@ class PrefixCachingAllocator(PageAllocator):
     prompt tokens need no prefill), then ``reserve`` as usual, and ``register(request, tokens)``
     after a step has written the KV of ``tokens`` so that later requests can share its full pages.
     The first ``read_only_pages(request)`` pages of a table are cached and must never be written.
+
+    A hybrid model (``state_slots`` > 0) reuses a cached prefix only up to its deepest state
+    checkpoint (``checkpoints``: ``checkpoint_slots`` slots after the running requests' ones):
+    ``save_checkpoint`` names the copy that takes one, and a request admitted onto one gets a
+    ``take_restores`` copy from it into its own slot.
     """
 
-    def __init__(self, num_pages: int, page_size: int, state_slots: int = 0):
+    def __init__(self, num_pages: int, page_size: int, state_slots: int = 0,
+                 checkpoint_slots: int = 0):
         super().__init__(num_pages, page_size, state_slots)
+        if checkpoint_slots < 0 or (checkpoint_slots and not state_slots):
+            raise ValueError(f"checkpoint_slots ({checkpoint_slots}) needs state_slots > 0 and "
+                             f"must be >= 0")
+        self.checkpoints = StateCheckpoints(range(
+            state_slots, state_slots + checkpoint_slots)) if state_slots else None
+        self._restore_from: dict[object, int] = {}  # admitted onto a checkpoint: its slot
+        self._restores: dict[object, tuple[int, int]] = {}  # (checkpoint slot, request slot)
         self._refs = [0] * num_pages
         self._key_of: list[bytes | None] = [None] * num_pages
         self._page_of: dict[bytes, int] = {}
@@ -129,7 +143,30 @@ class PrefixCachingAllocator(PageAllocator):
         self._tables[request_id] = []
         self._extend(request_id, shared)
         self._keys[request_id] = keys
+        if shared and self.checkpoints is not None:
+            self._restore_from[request_id] = self.checkpoints.use(keys[-1])
         return len(shared) * self.page_size
+
+    def take_state_slot(self, request_id) -> int:
+        slot = super().take_state_slot(request_id)
+        source = self._restore_from.pop(request_id, None)
+        if source is not None:
+            self._restores[request_id] = (source, slot)
+        return slot
+
+    def take_restores(self) -> list[tuple[int, int]]:
+        """(checkpoint slot, request slot) copies the requests admitted since the last call
+        need before their first step: each starts from the state its cached prefix left."""
+        restores, self._restores = list(self._restores.values()), {}
+        return restores
+
+    def save_checkpoint(self, request_id, key: bytes) -> tuple[int, int] | None:
+        """(request slot, checkpoint slot): the copy that makes ``request_id``'s state, once its
+        step has run up to the end of the page keyed ``key``, the checkpoint at ``key``; None
+        when one is kept already or there are no checkpoint slots. Call it after that step is
+        launched and copy at once (the slot may have held the least recently used one)."""
+        slot = self.checkpoints.take(key) if self.checkpoints is not None else None
+        return None if slot is None else (self.state_slot(request_id), slot)
 
     def register(self, request_id, tokens) -> int:
         """Cache the full pages of ``request_id`` whose KV now holds ``tokens`` (its sequence so
@@ -166,6 +203,8 @@ class PrefixCachingAllocator(PageAllocator):
 
     def release(self, request_id) -> None:
         self._keys.pop(request_id, None)
+        self._restore_from.pop(request_id, None)
+        self._restores.pop(request_id, None)
         super().release(request_id)
 
     def _match(self, prompt: list[int], max_cached_tokens: int | None,
@@ -182,6 +221,9 @@ class PrefixCachingAllocator(PageAllocator):
             shared.append(self._page_of[key])
             keys.append(key)
             parent = key
+        if self.checkpoints is not None:  # a hybrid model starts only where a state was kept
+            depth = self.checkpoints.deepest(keys)
+            shared, keys = shared[:depth], keys[:depth]
         return shared, keys
 
     def _take(self, count: int) -> list[int]:

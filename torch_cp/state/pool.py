@@ -91,6 +91,13 @@ class StatePool:
         read its slots, context lengths and row bounds (a captured step: its static buffers)."""
         self.step = plan
 
+    def copy_slot(self, source: int, target: int) -> None:
+        """Slot ``target`` takes slot ``source``'s state, every layer (a prefix-cache state
+        checkpoint taken or restored; ordered on the device after the steps launched before)."""
+        with torch.inference_mode():
+            for states in self.tensors:
+                states[:, target] = states[:, source]
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [self.conv, self.recurrent]
