@@ -6,7 +6,8 @@ a later prompt could share). Prompts sharing a prefix longer than several pages,
 suffixes: tokens with caching equal the unpatched Hugging Face model's and an engine's without
 caching, in one run and across runs (the cache persists), with logprobs equal to the engine's
 without caching; later requests start at a checkpoint boundary (fewer prompt tokens run); with
-one checkpoint slot (evicted over and over) tokens stay equal; every page and state slot returns.
+one checkpoint slot (evicted over and over) and steps launched ahead tokens stay equal; every
+page and state slot returns.
 At P = 2 (TP and SP modes, gloo) tokens with caching equal tokens without on every rank.
 
 Tolerance for logprobs: fp32, atol 1e-3, as tests/models/test_hybrid.py's logits (the runs cut
@@ -119,11 +120,13 @@ def test_tokens_with_caching_equal_the_unpatched_models_from_checkpoints(model, 
 
 
 def test_one_checkpoint_slot_evicted_over_and_over_keeps_tokens(model, reference):
+    """Also with decode steps planned and launched ahead (they take no checkpoint)."""
     engine = Engine(model, PAGES, PAGE, BUDGET, max_rows=MAX_ROWS, prefix_caching=True,
-                    state_checkpoints=1)
+                    state_checkpoints=1, overlap_planning=True)
     for _ in range(2):
         assert [r.token_ids for r in engine.run(PROMPTS, NEW)] == reference
     assert len(engine.allocator.checkpoints) == 1
+    assert engine.reused_tokens > 0 and engine.launched_ahead_steps > 0
     assert engine.allocator.free_pages == PAGES and engine.allocator.live_requests == []
 
 
