@@ -1,5 +1,7 @@
 """Shared set-up of the suite: the helper modules (tests/helpers) importable from every folder,
-tests marked ``gpu`` skipped without CUDA, one intra-op thread.
+tests marked ``gpu`` skipped without CUDA, one intra-op thread, and without CUDA torch_cp's
+Triton kernels run in Triton's interpreter (``TRITON_INTERPRET``, read when a kernel is
+defined: so before anything imports one).
 
 The folders mirror the package: core/ (placement, plan, mesh, configuration), kv/, attention/,
 state/ (hybrid models' state kernels), hf/ (patching, the cache, model.generate), models/ (the
@@ -14,6 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import Phase, settings
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))

@@ -1,8 +1,9 @@
 """The hybrid families (Qwen3.5 dense and MoE, Qwen3-Next) on one GPU.
 
-bf16: flash-linear-attention's gated DeltaNet kernels beside FlashInfer (``backend="flashinfer"``)
-give the unpatched Hugging Face model's greedy tokens (on a GPU it runs the same fla kernels)
-up to bf16 near-ties (``gpu_models.near_tie``): eagerly, with the
+bf16: flash-linear-attention's chunked gated DeltaNet kernel (multi-token steps) and torch_cp's
+decode kernel beside FlashInfer (``backend="flashinfer"``) give the unpatched Hugging Face
+model's greedy tokens (on a GPU it runs fla's kernels) up to bf16 near-ties
+(``gpu_models.near_tie``): eagerly, with the
 two longer prompts prefilled in chunks (``CHUNK`` tokens a step, so later chunks start from the
 state the earlier ones left); with decode steps replayed from CUDA graphs; and with compiled
 decoder layers and steps launched ahead as well (the benchmark's engine). NaN in every free
@@ -93,11 +94,14 @@ def expected(name: str) -> list[list[int]]:
 
 @pytest.fixture
 def fla_calls(monkeypatch):
-    """Counts calls of fla's chunked (multi-token steps) and recurrent (decode) kernels, and the
-    most rows one chunked call packed (``cu_seqlens``)."""
+    """Counts calls of fla's chunked kernel (multi-token steps) and of torch_cp's decode kernel
+    (state/decode_kernel.py, which replaces fla's recurrent one in decode steps), and the most
+    rows one chunked call packed (``cu_seqlens``)."""
     import fla.ops.gated_delta_rule as fla_gdr
 
-    calls = {"chunk": 0, "recurrent": 0, "chunk_rows": 0}
+    from torch_cp.state import decode_kernel
+
+    calls = {"chunk": 0, "decode": 0, "chunk_rows": 0}
 
     def counted(key, fn):
         @functools.wraps(fn)  # transformers passes the keywords fn's signature names
@@ -110,8 +114,8 @@ def fla_calls(monkeypatch):
 
     monkeypatch.setattr(fla_gdr, "chunk_gated_delta_rule",
                         counted("chunk", fla_gdr.chunk_gated_delta_rule))
-    monkeypatch.setattr(fla_gdr, "fused_recurrent_gated_delta_rule",
-                        counted("recurrent", fla_gdr.fused_recurrent_gated_delta_rule))
+    monkeypatch.setattr(decode_kernel, "decode_step_in_place",
+                        counted("decode", decode_kernel.decode_step_in_place))
     return calls
 
 
@@ -155,7 +159,7 @@ def test_fla_kernels_give_the_reference_tokens_with_prompts_in_chunks(name, fla_
     assert model.torch_cp.linear_kernels == "fla"
     engine = torch_cp.Engine(model, **ENGINE)
     got = tokens(engine.run(prompts(), NEW))
-    assert fla_calls["chunk"] and fla_calls["recurrent"], fla_calls
+    assert fla_calls["chunk"] and fla_calls["decode"], fla_calls
     assert fla_calls["chunk_rows"] >= 2, "a multi-token step packs several rows"
     assert_equal_but_near_ties(unpatched(name), expected(name), got)
 

@@ -73,11 +73,6 @@ class StateCheckpoints:
         if slot is not None:
             self._free.append(slot)
 
-    def clear(self) -> None:
-        """Forget every checkpoint (their slots free again)."""
-        self._slot_of.clear()
-        self._free = deque(self.slots)
-
     def held(self) -> dict[bytes, int]:
         """key -> slot of every checkpoint, least recently used first (tests)."""
         return dict(self._slot_of)

@@ -14,7 +14,9 @@ with flash-linear-attention, through its variable-length kernel.
 
 Kernels: ``"torch"``, transformers' own torch implementations (the reference: what the
 unpatched model runs on a CPU), or ``"fla"``, flash-linear-attention's Triton kernels (what
-transformers runs on a GPU when it is installed).
+transformers runs on a GPU when it is installed) for multi-token steps and torch_cp's own Triton
+kernel for decode steps (``decode_kernel.py``: it updates the pool's slots in place, where fla's
+recurrent kernel needs the states gathered out of the pool and scattered back).
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ def delta_rule_step(q_nhk: torch.Tensor, k_nhk: torch.Tensor, v_nhv: torch.Tenso
     [slots, Hv, Dk, Dv] float32: one layer's recurrent states (the last slot: zeros, never
     written), updated in place. ``qo_indptr_host``: the same bounds on the host (no device
     read). Returns [N, Hv, Dv] in v's dtype (tokens past the rows: zeros)."""
+    if decode and kernels == "fla":  # the pool read and written in place (decode_kernel.py)
+        from torch_cp.state.decode_kernel import decode_step_in_place
+
+        return decode_step_in_place(q_nhk, k_nhk, v_nhv, g_nh, beta_nh, states, slots_b, fresh_b)
     h0_bhkv = _start(states, slots_b, fresh_b)
     chunk, recurrent = _functions(kernels)
     common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)

@@ -1,0 +1,84 @@
+"""torch_cp's decode kernel for the gated delta rule (state/decode_kernel.py), which reads and
+writes the state pool's slots in place, against transformers' torch recurrent rule on states
+gathered out of the pool and scattered back (what the torch backend runs). On CUDA it runs
+compiled (a ``gpu`` test); without CUDA, in Triton's interpreter (tests/conftest.py).
+
+Rows: a resuming row, fresh rows (they read the zero slot, never their own, which holds NaN here),
+and padding rows on the sink slot (NaN too): outputs and written states equal the reference's,
+no other slot changes (bit for bit), the zero slot stays zero. Through ``delta_rule_step``
+(``kernels="fla"`` decode steps take this kernel) the same. Value heads grouped over key heads
+(2 each), Dv not a multiple of the kernel's block (48 of 32: a masked block).
+
+Tolerance: float32 states and outputs within 1e-5 (the two sum over Dk in other orders: observed
+2e-7); a bf16 output within one bf16 rounding of the reference's (rtol 2**-7; observed 2e-3
+absolute on values of ~0.5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_cp import compat
+from torch_cp.state.kernels import delta_rule_step
+
+triton = pytest.importorskip("triton", reason="the kernel is Triton (CPU: its interpreter)")
+from torch_cp.state.decode_kernel import decode_step_in_place  # noqa: E402
+
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
+                torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
+ROWS, HK, HV, DK, DV, SLOTS = 5, 2, 4, 16, 48, 8
+SINK, ZERO = SLOTS, SLOTS + 1
+SLOTS_B = [3, 0, 5, SINK, SINK]  # row 0 resumes, 1 and 2 are fresh, 3 and 4 are padding
+FRESH_B = [False, True, True, True, True]
+
+
+def case(dtype, device):
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(SLOTS + 2, HV, DK, DV, generator=g)
+    states[1:3] = float("nan")  # fresh rows' own slots: never read
+    states[SINK] = float("nan")
+    states[ZERO] = 0
+    inputs = [torch.randn(ROWS, HK, DK, generator=g), torch.randn(ROWS, HK, DK, generator=g),
+              torch.randn(ROWS, HV, DV, generator=g), -torch.rand(ROWS, HV, generator=g),
+              torch.rand(ROWS, HV, generator=g)]
+    slots, fresh = torch.tensor(SLOTS_B), torch.tensor(FRESH_B)
+    return [t.to(device, dtype) for t in inputs], states.to(device), slots.to(device), \
+        fresh.to(device)
+
+
+def reference(inputs, states, slots, fresh):
+    """transformers' torch recurrent rule over states gathered from the pool, then scattered."""
+    q, k, v, g, beta = inputs
+    _, recurrent = compat.torch_gated_delta_rules()
+    start = torch.where(fresh, torch.full_like(slots, ZERO), slots)
+    out, h = recurrent(q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
+                       initial_state=states.index_select(0, start), output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+    after = states.clone()
+    after.index_copy_(0, slots, h.float())
+    return out[:, 0], after
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("through", ["kernel", "delta_rule_step"])
+def test_decode_kernel_updates_the_pool_in_place_like_the_reference(dtype, through, device):
+    inputs, states, slots, fresh = case(dtype, device)
+    want_out, want_states = reference(inputs, states, slots, fresh)
+    got_states = states.clone()
+    if through == "kernel":
+        got_out = decode_step_in_place(*inputs, got_states, slots, fresh)
+    else:
+        got_out = delta_rule_step(*inputs, got_states, slots, fresh, qo_indptr=None, decode=True,
+                                  kernels="fla")
+    assert got_out.dtype == dtype and got_out.shape == (ROWS, HV, DV)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2**-7)
+    real = slice(0, 3)  # padding rows' outputs are NaN-free garbage nobody reads
+    torch.testing.assert_close(got_out[real], want_out[real].to(dtype), **tol)
+    for slot in SLOTS_B[:3]:
+        torch.testing.assert_close(got_states[slot], want_states[slot], atol=1e-5, rtol=1e-5)
+    untouched = [s for s in range(SLOTS + 2) if s not in SLOTS_B]
+    assert torch.equal(got_states[untouched].nan_to_num(7.0), states[untouched].nan_to_num(7.0))
+    assert torch.equal(got_states[ZERO], torch.zeros_like(got_states[ZERO]))
