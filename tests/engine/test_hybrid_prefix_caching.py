@@ -41,19 +41,23 @@ def tiny():
     return torch_cp.tiny_qwen3_5(seed=4)  # greedy >= 3e-2 from a tie on PROMPTS
 
 
-@pytest.fixture(scope="module")
-def reference():
+def hf_greedy(prompts) -> list[tuple[int, ...]]:
     """Greedy tokens of the unpatched model, one prompt at a time (asserted >= 1e-2 from a tie)."""
     model = tiny()
     tokens = []
     with torch.no_grad():
-        for p in PROMPTS:
+        for p in prompts:
             out = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
             top2 = torch.stack(out.logits).float().topk(2, dim=-1).values
             assert (top2[..., 0] - top2[..., 1]).min() > 1e-2, "greedy is near a tie"
             tokens.append(tuple(out.sequences[0, len(p):].tolist()))
     return tokens
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return hf_greedy(PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +132,28 @@ def test_one_checkpoint_slot_evicted_over_and_over_keeps_tokens(model, reference
     assert len(engine.allocator.checkpoints) == 1
     assert engine.reused_tokens > 0 and engine.launched_ahead_steps > 0
     assert engine.allocator.free_pages == PAGES and engine.allocator.live_requests == []
+
+
+SYSTEM = [(2 * i) % 110 + 2 for i in range(21)]  # a shared system prompt, not page-aligned
+CHATS = [SYSTEM + [100 + i] + [5 + i] * k for i, k in enumerate([6, 9, 12, 7])]
+
+
+def test_a_shared_system_prompt_is_reused_from_the_second_request_on(model):
+    """Each prompt one chunk, one request at a time: the first leaves no state where the
+    system prompt ends (its chunk ends at its own last page boundary), so the second finds the
+    system prompt's pages cached but no checkpoint; it starts from scratch, and its chunk ends
+    where the cached prefix ends, leaving one there; the third and fourth start from it. (With
+    fewer checkpoint slots than the run takes checkpoints, the least recently used goes: one
+    slot would keep only the second request's last one.)"""
+    engine = Engine(model, PAGES, PAGE, 64, max_rows=1, prefix_caching=True, state_checkpoints=4)
+    steps = _starts(engine)
+    assert [r.token_ids for r in engine.run(CHATS, NEW)] == hf_greedy(CHATS)
+    first = {}
+    for rows in steps:
+        for r in rows:
+            first.setdefault(r.request, r.start)
+    assert [first[i] for i in range(len(CHATS))] == [0, 0, 20, 20]
+    assert page_keys(SYSTEM, PAGE)[4] in engine.allocator.checkpoints
 
 
 def test_state_checkpoints_are_refused_where_they_mean_nothing(model):

@@ -75,7 +75,8 @@ class Engine(BatchRuns, Serving):
             recently used first, when the pool needs them. Tokens are the same either way.
             A hybrid model (linear attention) reuses a prefix only up to a state checkpoint:
             its prompts prefill in chunks that end at page boundaries (and at the last one a
-            later prompt could share), and the state at each chunk's end is kept.
+            later prompt could share, and where its cached prefix ends), and the state at each
+            chunk's end is kept.
         state_checkpoints: state-pool slots that keep those checkpoints, each a request's
             whole state (``state_bytes``); the least recently used gives way (default, with
             ``prefix_caching`` on a hybrid model: as many as requests may run).
@@ -197,11 +198,10 @@ class Engine(BatchRuns, Serving):
                 self.state.copy_slot(source, slot)
         launched = self._launch(step, rows, ids, sampling)
         for request, key in scheduler.checkpoint_keys(rows):
-            copy = self.allocator.save_checkpoint(request, key)
-            if copy is None:
-                continue
             try:  # queued after the step, before anything that reads it
-                self.state.copy_slot(*copy)
+                copy = self.allocator.save_checkpoint(request, key)
+                if copy is not None:
+                    self.state.copy_slot(*copy)
             except BaseException:
                 self.allocator.checkpoints.drop(key)  # never a key over a stale slot
                 raise

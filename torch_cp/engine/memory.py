@@ -82,7 +82,8 @@ def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int
         model_or_config: a patched model (its per-rank share), or an unpatched model / config
             (split over ``tp`` ranks; the conv state in the model's dtype, else the config's,
             else float32).
-        requests: running requests (each holds one state slot).
+        requests: state slots: running requests (one each), plus an ``Engine``'s
+            ``state_checkpoints`` when it caches prefixes (``Engine.state_bytes`` counts both).
     """
     if requests < 0 or tp < 1:
         raise ValueError(f"need requests >= 0 and tp >= 1, got {requests} and {tp}")

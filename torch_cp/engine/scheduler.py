@@ -42,6 +42,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     cached: int = 0
     prompt_keys: list[bytes] | None = field(default=None, repr=False)  # prefix-cache keys
+    cached_prefix_end: int = 0  # hybrid: where the cached prefix ends (past its checkpoint)
 
     @property
     def tokens(self) -> list[int]:
@@ -102,7 +103,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # in admission order
         self.caching = isinstance(allocator, PrefixCachingAllocator)
-        self.checkpointing = self.caching and allocator.checkpoints is not None
+        self.checkpointing = self.caching and allocator.checkpointing
         self.reused_tokens = 0  # prompt tokens admitted with their KV already cached
 
     def fits_ever(self, request: Request) -> bool:
@@ -156,6 +157,9 @@ class Scheduler:
                 request.cached = a.admit(request.index, request.prompt,
                                          keys=self._keys(request))
                 self.reused_tokens += request.cached
+                if self.checkpointing:
+                    request.cached_prefix_end = a.shared_pages(
+                        request.prompt, self._keys(request)) * a.page_size
             if a.state_slots:
                 a.take_state_slot(request.index)
             self.running[request.index] = request
@@ -191,12 +195,15 @@ class Scheduler:
 
     def _checkpoint_end(self, request: Request, end: int) -> int:
         """Where a hybrid model's prefill chunk of ``request`` ending at ``end`` stops instead:
-        at the prompt's last page boundary a later prompt could share (inside ``prompt[:-1]``)
-        if it would pass it, else at a page boundary if it stops short of the prompt's end."""
+        where its cached prefix ends, if past its checkpoint (the next prompt sharing that
+        prefix starts from the state taken there), or at the prompt's last page boundary a
+        later prompt could share (inside ``prompt[:-1]``), if it would pass either; else at a
+        page boundary if it stops short of the prompt's end."""
         page, start = self.allocator.page_size, request.cached
         last = (len(request.prompt) - 1) // page * page
-        if start < last < end:
-            return last
+        for boundary in (request.cached_prefix_end, last):
+            if start < boundary < end:
+                return boundary
         if end < len(request.prompt) and end // page * page > start:
             return end // page * page
         return end

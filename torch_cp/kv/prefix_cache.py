@@ -101,6 +101,11 @@ class PrefixCachingAllocator(PageAllocator):
         return len(self._free) + len(self._lru)
 
     @property
+    def checkpointing(self) -> bool:
+        """Whether requests reuse prefixes from state checkpoints (a hybrid model's)."""
+        return self.checkpoints is not None and bool(self.checkpoints.slots)
+
+    @property
     def evictable_pages(self) -> int:
         """Cached pages no live request holds (counted in ``free_pages``)."""
         return len(self._lru)
@@ -146,6 +151,12 @@ class PrefixCachingAllocator(PageAllocator):
         if shared and self.checkpoints is not None:
             self._restore_from[request_id] = self.checkpoints.use(keys[-1])
         return len(shared) * self.page_size
+
+    def shared_pages(self, prompt, keys: Sequence[bytes] | None = None) -> int:
+        """How many of ``prompt``'s full pages the cache holds (as ``lookup`` counts them), a
+        hybrid model's state checkpoints aside: where a chunk of the prompt should end so that
+        a checkpoint is taken where its cached prefix ends."""
+        return len(self._match(_ids(prompt), None, keys, checkpointed=False)[0])
 
     def take_state_slot(self, request_id) -> int:
         slot = super().take_state_slot(request_id)
@@ -208,7 +219,7 @@ class PrefixCachingAllocator(PageAllocator):
         super().release(request_id)
 
     def _match(self, prompt: list[int], max_cached_tokens: int | None,
-               known: Sequence[bytes] | None = None):
+               known: Sequence[bytes] | None = None, checkpointed: bool = True):
         limit = max(0, len(prompt) - 1)
         if max_cached_tokens is not None:
             limit = min(limit, max_cached_tokens)
@@ -221,7 +232,7 @@ class PrefixCachingAllocator(PageAllocator):
             shared.append(self._page_of[key])
             keys.append(key)
             parent = key
-        if self.checkpoints is not None:  # a hybrid model starts only where a state was kept
+        if checkpointed and self.checkpoints is not None:  # a hybrid starts where a state was kept
             depth = self.checkpoints.deepest(keys)
             shared, keys = shared[:depth], keys[:depth]
         return shared, keys
