@@ -6,8 +6,10 @@ compiled (a ``gpu`` test); without CUDA, in Triton's interpreter (tests/conftest
 Rows: a resuming row, fresh rows (they read the zero slot, never their own, which holds NaN here),
 and padding rows on the sink slot (NaN too): outputs and written states equal the reference's,
 no other slot changes (bit for bit), the zero slot stays zero. Through ``delta_rule_step``
-(``kernels="fla"`` decode steps take this kernel) the same. Value heads grouped over key heads
-(2 each), Dv not a multiple of the kernel's block (48 of 32: a masked block).
+(``kernels="fla"`` decode steps take this kernel) the same, and as the model calls it: one layer
+of a [layers, slots, ...] pool (the others untouched), q, k and v strided views into a packed
+projection, Dk = 128. Value heads grouped over key heads (2 each), Dv not a multiple of the
+kernel's block (48 of 32: a masked block).
 
 Tolerance: float32 states and outputs within 1e-5 (the two sum over Dk in other orders: observed
 2e-7); a bf16 output within one bf16 rounding of the reference's (rtol 2**-7; observed 2e-3
@@ -82,3 +84,31 @@ def test_decode_kernel_updates_the_pool_in_place_like_the_reference(dtype, throu
     untouched = [s for s in range(SLOTS + 2) if s not in SLOTS_B]
     assert torch.equal(got_states[untouched].nan_to_num(7.0), states[untouched].nan_to_num(7.0))
     assert torch.equal(got_states[ZERO], torch.zeros_like(got_states[ZERO]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_kernel_on_one_layer_of_the_pool_from_strided_views(device):
+    """As the model calls it: one layer of a [layers, slots, ...] pool, q, k and v views into a
+    packed projection (row stride the projection's width), the real head size of 128."""
+    dk, layers, layer = 128, 3, 1
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randn(layers, SLOTS + 2, HV, dk, DV, generator=g)
+    pool[:, ZERO] = 0
+    pool[:, SINK] = float("nan")
+    packed = torch.randn(ROWS, 2 * HK * dk + HV * DV, generator=g).to(device)
+    q, k = (packed[:, i * HK * dk:(i + 1) * HK * dk].view(ROWS, HK, dk) for i in range(2))
+    v = packed[:, 2 * HK * dk:].view(ROWS, HV, DV)
+    assert not (q.is_contiguous() or v.is_contiguous())
+    gates = [-torch.rand(ROWS, HV, generator=g).to(device),
+             torch.rand(ROWS, HV, generator=g).to(device)]
+    pool = pool.to(device)
+    slots, fresh = torch.tensor(SLOTS_B, device=device), torch.tensor(FRESH_B, device=device)
+    want_out, want_states = reference([q, k, v, *gates], pool[layer], slots, fresh)
+    got = pool.clone()
+    out = delta_rule_step(q, k, v, *gates, got[layer], slots, fresh, qo_indptr=None, decode=True,
+                          kernels="fla")
+    torch.testing.assert_close(out[:3], want_out[:3], atol=1e-5, rtol=1e-5)
+    for slot in SLOTS_B[:3]:
+        torch.testing.assert_close(got[layer, slot], want_states[slot], atol=1e-5, rtol=1e-5)
+    others = [i for i in range(layers) if i != layer]
+    assert torch.equal(got[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
