@@ -20,6 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from caching_checks import (
+    assert_caching_changes_nothing,
+    caching_off_and_on,
+    first_starts,
+    record_rows,
+)
 from multirank import run_ranks
 
 import torch_cp
@@ -65,27 +71,6 @@ def model():
     return torch_cp.patch_model(tiny())
 
 
-def _starts(engine) -> tuple[list[list[int]], list]:
-    """Records each planned step's rows; returns (first row start of each request per run, the
-    step rows)."""
-    steps, plan = [], engine.launcher.plan
-
-    def planned(rows, tables, state_slots=None):
-        steps.append(list(rows))
-        return plan(rows, tables, state_slots)
-
-    engine.launcher.plan = planned
-    return steps
-
-
-def _first_starts(steps) -> list[int]:
-    first = {}
-    for rows in steps:
-        for r in rows:
-            first.setdefault(r.request, r.start)
-    return [first[i] for i in range(len(PROMPTS))]
-
-
 def _logprobs(results) -> torch.Tensor:
     return torch.tensor([[lp for lp, _ in r.logprobs] for r in results])
 
@@ -95,7 +80,7 @@ def test_tokens_with_caching_equal_the_unpatched_models_from_checkpoints(model, 
     without = plain.run(PROMPTS, NEW, logprobs=0)
     engine = Engine(model, PAGES, PAGE, BUDGET, max_rows=MAX_ROWS, prefix_caching=True,
                     state_checkpoints=16)
-    steps = _starts(engine)
+    steps = record_rows(engine)
     first = engine.run(PROMPTS, NEW, logprobs=0)
     first_steps, steps[:] = list(steps), []
     second = engine.run(PROMPTS, NEW, logprobs=0)
@@ -105,7 +90,7 @@ def test_tokens_with_caching_equal_the_unpatched_models_from_checkpoints(model, 
     torch.testing.assert_close(_logprobs(first), _logprobs(without), atol=1e-3, rtol=0)
     torch.testing.assert_close(_logprobs(second), _logprobs(without), atol=1e-3, rtol=0)
 
-    starts1, starts2 = _first_starts(first_steps), _first_starts(steps)
+    starts1, starts2 = (first_starts(s, len(PROMPTS)) for s in (first_steps, steps))
     # Two rows at a time: requests 2-4 start after 0 and 1 prefilled the prefix's 5 pages.
     assert starts1[:2] == [0, 0] and starts1[2:] == [20, 20, 20], starts1
     # Each from the last page boundary inside its prompt[:-1], where the first run left a
@@ -146,13 +131,9 @@ def test_a_shared_system_prompt_is_reused_from_the_second_request_on(model):
     fewer checkpoint slots than the run takes checkpoints, the least recently used goes: one
     slot would keep only the second request's last one.)"""
     engine = Engine(model, PAGES, PAGE, 64, max_rows=1, prefix_caching=True, state_checkpoints=4)
-    steps = _starts(engine)
+    steps = record_rows(engine)
     assert [r.token_ids for r in engine.run(CHATS, NEW)] == hf_greedy(CHATS)
-    first = {}
-    for rows in steps:
-        for r in rows:
-            first.setdefault(r.request, r.start)
-    assert [first[i] for i in range(len(CHATS))] == [0, 0, 20, 20]
+    assert first_starts(steps, len(CHATS)) == [0, 0, 20, 20]
     assert page_keys(SYSTEM, PAGE)[4] in engine.allocator.checkpoints
 
 
@@ -175,20 +156,11 @@ def _ranks(rank: int, world: int) -> dict:
         mesh = init_mesh(**axes, device_type="cpu")
         model = torch_cp.patch_model(tiny(), mesh=mesh, context_parallel=True, mode=mode,
                                      page_size=PAGE)
-        for caching in (False, True):
-            engine = Engine(model, PAGES, PAGE, BUDGET, max_rows=MAX_ROWS,
-                            prefix_caching=caching)
-            runs = [[r.token_ids for r in engine.run(PROMPTS, NEW)] for _ in range(2)]
-            out[mode, caching] = (runs, engine.reused_tokens, engine.allocator.free_pages)
+        out[mode] = caching_off_and_on(model, PROMPTS, NEW, PAGES, PAGE, BUDGET,
+                                       max_rows=MAX_ROWS)
     return out
 
 
 @pytest.mark.slow
 def test_tokens_with_caching_equal_tokens_without_at_p2(reference):
-    for rank, out in enumerate(run_ranks(2, _ranks)):
-        for mode in MESHES:
-            (plain, reused0, free0), (cached, reused, free) = out[mode, False], out[mode, True]
-            assert plain == [reference, reference], (rank, mode)
-            assert cached == plain, (rank, mode)
-            assert reused0 == 0 and reused > 0, (rank, mode)
-            assert free0 == free == PAGES, (rank, mode)
+    assert_caching_changes_nothing(run_ranks(2, _ranks), MESHES, reference, PAGES)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from admission import WatchedCachingAllocator, drive, expected_end
+from caching_checks import assert_caching_changes_nothing, caching_off_and_on, first_starts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multirank import run_ranks
@@ -67,15 +68,6 @@ def _prefilled(rows) -> int:
                for step in rows for r in step)
 
 
-def _starts(rows) -> list[int]:
-    """Each request's first row start: the prompt tokens it found cached."""
-    first = {}
-    for step in rows:
-        for r in step:
-            first.setdefault(r.request, r.start)
-    return [first[i] for i in range(len(PROMPTS))]
-
-
 def test_caching_keeps_tokens_in_one_run_and_across_runs(model, reference):
     plain = Engine(model, PAGES, PAGE, BUDGET)
     without = [r.token_ids for r in plain.run(PROMPTS, NEW)]
@@ -92,7 +84,7 @@ def test_caching_keeps_tokens_in_one_run_and_across_runs(model, reference):
     assert engine.allocator.evictable_pages > 0, "the cache outlives the run"
 
     total = sum(len(p) for p in PROMPTS)
-    starts1, starts2 = _starts(first_rows), _starts(rows)
+    starts1, starts2 = (first_starts(r, len(PROMPTS)) for r in (first_rows, rows))
     assert _prefilled(first_rows) == total - sum(starts1) < total
     assert _prefilled(rows) == total - sum(starts2) < _prefilled(first_rows)
     assert engine.prefilled_tokens == _prefilled(first_rows) + _prefilled(rows)
@@ -181,20 +173,11 @@ def _ranks(rank: int, world_size: int):
         mesh = init_mesh(**sizes, device_type="cpu")
         model = torch_cp.patch_model(tiny_qwen3(), context_parallel=True, mesh=mesh, mode=mode,
                                      page_size=PAGE)
-        for caching in (False, True):
-            engine = Engine(model, PAGES, PAGE, BUDGET, prefix_caching=caching)
-            runs = [[r.token_ids for r in engine.run(PROMPTS, NEW)] for _ in range(2)]
-            out[mode, caching] = (runs, engine.reused_tokens, engine.allocator.free_pages)
+        out[mode] = caching_off_and_on(model, PROMPTS, NEW, PAGES, PAGE, BUDGET)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("partners", [2, 4])
 def test_tokens_with_caching_equal_tokens_without_at_p(reference, partners):
-    for rank, out in enumerate(run_ranks(partners, _ranks)):
-        for mode in MESHES:
-            (plain, reused0, free0), (cached, reused, free) = out[mode, False], out[mode, True]
-            assert plain == [reference, reference], (rank, mode)
-            assert cached == plain, (rank, mode)
-            assert reused0 == 0 and reused > 0, (rank, mode)
-            assert free0 == free == PAGES, (rank, mode)
+    assert_caching_changes_nothing(run_ranks(partners, _ranks), MESHES, reference, PAGES)
