@@ -1,4 +1,5 @@
-"""MoE experts under CUDA graphs: which of transformers' experts implementations can be captured
+"""MoE experts under CUDA graphs: which of transformers' experts implementations (and torch_cp's
+``"torch_cp_fused"``, graphs/fused_experts.py, where Triton is installed) can be captured
 (eager and compiled, fp32 and bf16), how exact each is in bf16, how fast each runs one MoE block
 at decode batch sizes, and whether partitioning whole experts over two TP ranks (expert
 parallel) beats splitting every expert's channels (what ``torch_cp.tp`` does).
@@ -29,7 +30,13 @@ from transformers import AutoConfig
 
 from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table, time_ms
 
-IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+try:  # registers torch_cp's fused decode-sized experts ("torch_cp_fused"; needs Triton)
+    from torch_cp.graphs import fused_experts
+except ImportError:
+    fused_experts = None
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm") + (
+    (fused_experts.NAME,) if fused_experts is not None else ())
 SHAPES = {
     "qwen3_30b_a3b": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768,
                                         num_experts=128, num_experts_per_tok=8,

@@ -50,7 +50,7 @@ def capturable(name: str | None, dtype: torch.dtype, device: torch.device) -> bo
     """Whether transformers' experts implementation ``name`` stays on the device (so a CUDA graph
     can hold it, eager or compiled) for weights of ``dtype`` on ``device``. On the CPU, where
     nothing is captured, whether it runs without transformers' experts loop."""
-    if name == "batched_mm":
+    if name in ("batched_mm", "torch_cp_fused"):  # the latter falls back to one that can
         return True
     if name != "grouped_mm":
         return False

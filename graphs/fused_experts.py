@@ -1,0 +1,120 @@
+"""MoE experts for decode-sized steps: two Triton kernels that read only the routed experts.
+
+At one token, transformers' ``grouped_mm`` experts sort, count and gather before two grouped
+GEMMs, all latency-bound: 0.11 ms for a Qwen3-30B-A3B layer's 8 experts against 0.018 ms to read
+their weights at the copy bandwidth (run 36, BENCHMARKS.md "MoE models under CUDA graphs").
+Here each (token, expert) pair is a row of programs: the first kernel reads that expert's gate
+and up rows and the token once and writes SiLU(gate) * up; the second reads the expert's down
+rows and writes the output scaled by the routing weight, in float32; the pairs of a token are
+summed in float32. Nothing is sorted, nothing leaves the device, and a CUDA graph holds it.
+
+Registered as transformers' experts implementation ``"torch_cp_fused"``
+(``model.set_experts_implementation("torch_cp_fused")``): steps of at most ``MAX_PAIRS``
+(token, expert) pairs take the kernels, larger steps (prefill) ``grouped_mm`` where a graph can
+hold it, else ``batched_mm``. Experts of other shapes (biases, transposed or interleaved
+weights, another activation, a post-expert norm, expert parallelism) always take the fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from transformers.integrations import moe
+
+NAME = "torch_cp_fused"
+MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
+BLOCK_N, BLOCK_K = 32, 128
+
+
+@triton.jit
+def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, out_ss,
+             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    in_n = n < inter
+    gate = tl.zeros([BN], dtype=tl.float32)
+    up = tl.zeros([BN], dtype=tl.float32)
+    rows = w_ptr + expert * w_se + n[:, None] * w_sn
+    for k0 in range(0, hidden, BK):
+        k = k0 + tl.arange(0, BK)
+        in_k = k < hidden
+        x = tl.load(x_ptr + token * x_st + k, mask=in_k, other=0.0).to(tl.float32)
+        mask = in_n[:, None] & in_k[None, :]
+        w_gate = tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        w_up = tl.load(rows + inter * w_sn + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate += tl.sum(w_gate * x[None, :], axis=1)
+        up += tl.sum(w_up * x[None, :], axis=1)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pair * out_ss + n, out.to(out_ptr.dtype.element_ty), mask=in_n)
+
+
+@triton.jit
+def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se, w_sm, out_ss,
+          BN: tl.constexpr, BK: tl.constexpr):
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    m = tl.program_id(1) * BN + tl.arange(0, BN)
+    in_m = m < hidden
+    acc = tl.zeros([BN], dtype=tl.float32)
+    rows = w_ptr + expert * w_se + m[:, None] * w_sm
+    for k0 in range(0, inter, BK):
+        k = k0 + tl.arange(0, BK)
+        in_k = k < inter
+        h = tl.load(h_ptr + pair * h_ss + k, mask=in_k, other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+    weight = tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * out_ss + m, acc * weight, mask=in_m)
+
+
+def fits(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` have the layout the kernels read: concatenated [gate; up] rows
+    ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SiLU, no bias or post-expert norm."""
+    return (experts.has_gate and experts.is_concatenated and not experts.is_transposed
+            and not experts.has_bias and not experts.has_post_expert_norm
+            and not experts._is_expert_parallel
+            and type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation")
+            and experts.gate_up_proj.stride(-1) == 1 and experts.down_proj.stride(-1) == 1)
+
+
+def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Tensor,
+                  weights_tk: torch.Tensor) -> torch.Tensor:
+    """The experts' output [T, H] for tokens ``x_td`` [T, H] routed to ``ids_tk`` [T, k] with
+    ``weights_tk`` [T, k], through the two kernels (any T; ``fused_experts_forward`` decides
+    when)."""
+    tokens, hidden = x_td.shape
+    top_k = ids_tk.shape[1]
+    pairs = tokens * top_k
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    inter = down.shape[-1]
+    x_td = x_td if x_td.stride(-1) == 1 else x_td.contiguous()
+    ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
+    h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
+    _gate_up[(pairs, triton.cdiv(inter, BLOCK_N))](
+        x_td, gate_up, ids, h_si, hidden, inter, x_td.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BN=BLOCK_N, BK=BLOCK_K)
+    out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
+    _down[(pairs, triton.cdiv(hidden, BLOCK_N))](
+        h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
+        down.stride(1), out_sd.stride(0), BN=BLOCK_N, BK=BLOCK_K)
+    return out_sd.view(tokens, top_k, hidden).sum(dim=1).to(x_td.dtype)
+
+
+def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-implementation signature: the kernels for a decode-sized step,
+    else ``grouped_mm`` (``batched_mm`` where a CUDA graph cannot hold it)."""
+    if top_k_index.numel() <= MAX_PAIRS and fits(self):
+        return fused_experts(self, hidden_states, top_k_index, top_k_weights)
+    from torch_cp.graphs.experts import capturable
+
+    w = self.down_proj
+    fallback = (moe.grouped_mm_experts_forward if capturable("grouped_mm", w.dtype, w.device)
+                else moe.batched_mm_experts_forward)
+    return fallback(self, hidden_states, top_k_index, top_k_weights)
+
+
+moe.ALL_EXPERTS_FUNCTIONS.register(NAME, fused_experts_forward)

@@ -1,0 +1,105 @@
+"""torch_cp's fused experts for decode-sized steps (graphs/fused_experts.py), registered as
+transformers' experts implementation ``"torch_cp_fused"``. Without CUDA the kernels run in
+Triton's interpreter (tests/conftest.py).
+
+- fp32, every MoE family's experts: the kernels equal transformers' ``batched_mm`` (atol 1e-5 on
+  outputs of ~10-20: fp32 sums over 256 channels in another order).
+- bf16: against the exact (fp32) computation from the same bf16 weights and inputs, at least as
+  close as ``batched_mm`` is (it rounds its intermediates to bf16; the kernels keep fp32 until
+  SiLU(gate) * up), and within 2**-7 of the largest output (one bf16 rounding or two).
+- The implementation takes the kernels for at most ``MAX_PAIRS`` (token, expert) pairs and
+  ``grouped_mm`` above (bit for bit its output), and experts the kernels cannot read (a bias)
+  always take the fallback.
+- A patched tiny Qwen3-MoE set to ``"torch_cp_fused"`` generates the unpatched model's tokens
+  through the engine, its decode steps through the kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_models import MOE_MODELS
+
+import torch_cp
+from torch_cp.graphs.experts import capturable, experts_modules
+
+pytest.importorskip("triton", reason="the kernels are Triton (CPU: its interpreter)")
+from transformers.integrations import moe  # noqa: E402
+
+from torch_cp.graphs import fused_experts as fe  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def routed(tokens: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 256, generator=g)
+    ids = torch.randint(0, 8, (tokens, 2), generator=g)
+    weights = torch.rand(tokens, 2, generator=g)
+    return x.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE, dtype)
+
+
+def experts_of(name: str, dtype):
+    return experts_modules(MOE_MODELS[name](dtype).to(DEVICE))[0]
+
+
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+def test_fp32_kernels_equal_batched_mm(name):
+    experts = experts_of(name, torch.float32)
+    assert fe.fits(experts)
+    args = routed(3, torch.float32)
+    torch.testing.assert_close(fe.fused_experts(experts, *args),
+                               moe.batched_mm_experts_forward(experts, *args),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_kernels_are_as_exact_as_batched_mm():
+    experts = experts_of("qwen3_moe", torch.bfloat16)
+    args = routed(4, torch.bfloat16, seed=1)
+    exact_experts = experts_of("qwen3_moe", torch.bfloat16).float()  # the same bf16 weights
+    exact = moe.batched_mm_experts_forward(exact_experts, *(a.float() if a.is_floating_point()
+                                                           else a for a in args))
+    got = fe.fused_experts(experts, *args).float()
+    theirs = moe.batched_mm_experts_forward(experts, *args).float()
+    scale = exact.abs().max()
+    assert (got - exact).abs().max() <= max((theirs - exact).abs().max(), 2**-8 * scale)
+    assert (got - exact).abs().max() <= 2**-7 * scale
+
+
+def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypatch):
+    experts = experts_of("qwen3_moe", torch.float32)
+    calls = []
+    kernels = fe.fused_experts
+    monkeypatch.setattr(fe, "fused_experts", lambda *a: calls.append(1) or kernels(*a))
+    small = routed(fe.MAX_PAIRS // 2, torch.float32)
+    fe.fused_experts_forward(experts, *small)
+    assert calls == [1]
+    large = routed(fe.MAX_PAIRS // 2 + 1, torch.float32)
+    got = fe.fused_experts_forward(experts, *large)
+    assert calls == [1], "more pairs than MAX_PAIRS take the fallback"
+    assert capturable("grouped_mm", torch.float32, torch.device(DEVICE)) or DEVICE == "cuda"
+    want = (moe.grouped_mm_experts_forward if capturable("grouped_mm", torch.float32,
+                                                        torch.device(DEVICE))
+            else moe.batched_mm_experts_forward)(experts, *large)
+    assert torch.equal(got, want)
+    experts.has_bias = True  # a layout the kernels do not read (zero biases: the same output)
+    experts.gate_up_proj_bias = torch.zeros(experts.gate_up_proj.shape[:2], device=DEVICE)
+    experts.down_proj_bias = torch.zeros(experts.down_proj.shape[:2], device=DEVICE)
+    assert not fe.fits(experts)
+    fe.fused_experts_forward(experts, *small)
+    assert calls == [1]
+
+
+def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch):
+    prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 19, 23, 1]]
+    reference = MOE_MODELS["qwen3_moe"](torch.float32)
+    want = [reference.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    model = torch_cp.patch_model(MOE_MODELS["qwen3_moe"](torch.float32))
+    model.set_experts_implementation(fe.NAME)
+    calls = []
+    kernels = fe.fused_experts
+    monkeypatch.setattr(fe, "fused_experts", lambda *a: calls.append(a[1].shape[0]) or kernels(*a))
+    engine = torch_cp.Engine(model, num_pages=16, page_size=4, max_rows=2)
+    assert [list(r.token_ids) for r in engine.run(prompts, 4)] == want
+    assert calls and max(calls) * 2 <= fe.MAX_PAIRS
