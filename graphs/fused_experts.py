@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from transformers.integrations import moe
 
+from torch_cp.graphs.experts import capturable
+
 NAME = "torch_cp_fused"
 MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
 BLOCK_N, BLOCK_K = 32, 128
@@ -109,8 +111,6 @@ def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     else ``grouped_mm`` (``batched_mm`` where a CUDA graph cannot hold it)."""
     if top_k_index.numel() <= MAX_PAIRS and fits(self):
         return fused_experts(self, hidden_states, top_k_index, top_k_weights)
-    from torch_cp.graphs.experts import capturable
-
     w = self.down_proj
     fallback = (moe.grouped_mm_experts_forward if capturable("grouped_mm", w.dtype, w.device)
                 else moe.batched_mm_experts_forward)

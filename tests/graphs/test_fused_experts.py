@@ -12,13 +12,17 @@ Triton's interpreter (tests/conftest.py).
   always take the fallback.
 - A patched tiny Qwen3-MoE set to ``"torch_cp_fused"`` generates the unpatched model's tokens
   through the engine, its decode steps through the kernels.
+- GPU: every MoE family on it, captured and compiled, gives the reference backend's tokens up
+  to bf16 near-ties, the implementation kept for the capture.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
-from gpu_models import MOE_MODELS
+from gpu_models import MOE_MODELS, NEW_TOKENS, assert_equal_but_near_ties, prompts, tokens
 
 import torch_cp
 from torch_cp.graphs.experts import capturable, experts_modules
@@ -103,3 +107,24 @@ def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch):
     engine = torch_cp.Engine(model, num_pages=16, page_size=4, max_rows=2)
     assert [list(r.token_ids) for r in engine.run(prompts, 4)] == want
     assert calls and max(calls) * 2 <= fe.MAX_PAIRS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs FlashInfer")
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+def test_fused_experts_captured_and_compiled_give_the_reference_tokens(name):
+    """bf16, FlashInfer, decode steps replayed from CUDA graphs with compiled layers, launched
+    ahead: the reference backend's tokens (experts loop) up to bf16 near-ties."""
+    reference = torch_cp.patch_model(MOE_MODELS[name](torch.bfloat16).cuda(), backend="torch")
+    reference.set_experts_implementation("eager")
+    expected = tokens(torch_cp.generate(reference, prompts(), NEW_TOKENS, progress=False))
+    model = torch_cp.patch_model(MOE_MODELS[name](torch.bfloat16).cuda(), backend="flashinfer")
+    model.set_experts_implementation(fe.NAME)
+    engine = torch_cp.Engine(model, num_pages=64, page_size=16, cuda_graphs=True, compile=True,
+                             overlap_planning=True, max_pages_per_row=8)
+    got = tokens(engine.run(prompts(), NEW_TOKENS))
+    assert model.config.get_text_config()._experts_implementation == fe.NAME, "kept for capture"
+    assert engine.replayed_steps >= NEW_TOKENS - 2
+    unpatched = MOE_MODELS[name](torch.bfloat16).cuda()
+    unpatched.set_experts_implementation("eager")
+    assert_equal_but_near_ties(unpatched, expected, got)
