@@ -302,6 +302,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32,64")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip runs past this")
+    ap.add_argument("--experts", default=None,
+                    help="MoE experts implementation of every system (default: grouped_mm in "
+                         "bf16; torch_cp_fused: torch_cp's fused decode-sized experts)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
@@ -309,6 +312,7 @@ def main(argv=None) -> int:
     budget = Budget(args.budget_s)
     results = Results(args.out, run_header(device))
     results.data["plan"] = args.plan
+    results.data["experts"] = args.experts
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
     results.data["versions"]["flash-linear-attention"] = fla_version()
@@ -320,7 +324,7 @@ def main(argv=None) -> int:
             torch._dynamo.reset()  # compiled code holds the previous model's weights
             free_cuda(device)
             start = time.perf_counter()
-            model, model_name = models.build(name, device, dtype, smoke), name
+            model, model_name = models.build(name, device, dtype, smoke, args.experts), name
             sync(device)
             info = model_info(name, model, dtype, time.perf_counter() - start)
             results.data.setdefault("models", {})[name] = info

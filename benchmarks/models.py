@@ -87,16 +87,21 @@ def config_for(name: str, smoke: bool):
     raise ValueError(f"unknown model {name!r}: qwen3, mla, qwen3_moe, glm_flash or qwen3_5")
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = False):
-    """Random weights drawn on ``device`` directly (N(0, initializer_range), norms at 1)."""
+def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = False,
+          experts: str | None = None):
+    """Random weights drawn on ``device`` directly (N(0, initializer_range), norms at 1).
+    ``experts``: a MoE model's experts implementation (default: ``grouped_mm`` in bf16, else
+    ``batched_mm``; ``"torch_cp_fused"``: torch_cp's fused decode-sized experts)."""
     config = config_for(name, smoke)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if experts_of(model):  # the peers and torch_cp run the same experts (graphs/experts.py)
-        model.set_experts_implementation("grouped_mm" if dtype == torch.bfloat16
-                                         else "batched_mm")
+        if experts == "torch_cp_fused":
+            import torch_cp.graphs.fused_experts  # noqa: F401  (registers the implementation)
+        model.set_experts_implementation(experts or ("grouped_mm" if dtype == torch.bfloat16
+                                                     else "batched_mm"))
     return model.eval()
 
 
