@@ -221,6 +221,27 @@ def test_pressure_evicts_least_recently_released_and_refuses_without_change():
     assert a.free_pages == a.num_pages  # the engine's "every page returns" still holds
 
 
+def test_a_hybrid_reuses_up_to_a_checkpoint_and_an_evicted_page_takes_its_checkpoint():
+    a = PrefixCachingAllocator(4, 2, state_slots=1, checkpoint_slots=2)
+    prompt = [1, 2, 3, 4, 5]
+    a.admit("x", prompt)
+    slot = a.take_state_slot("x")
+    assert a.reserve("x", 5)
+    a.register("x", prompt)
+    keys = [a.state().keys[p] for p in a.table("x")[:2]]
+    assert a.lookup(prompt) == [], "two pages cached, no checkpoint: nothing to start from"
+    assert a.save_checkpoint("x", keys[0]) == (slot, 1)  # the slot after the running one
+    assert a.save_checkpoint("x", keys[0]) is None  # kept already
+    a.release("x")
+    assert len(a.lookup(prompt)) == 1
+    assert a.admit("y", prompt) == 2, "up to the checkpoint after page 0, not page 1"
+    assert a.take_state_slot("y") == 0 and a.take_restores() == [(1, 0)]
+    assert a.take_restores() == []
+    a.release("y")
+    assert a.reserve("z", 8)  # every page: the cached ones evicted, their checkpoint with them
+    assert len(a.checkpoints) == 0
+
+
 def test_register_needs_the_pages_and_admit_a_new_request():
     a = PrefixCachingAllocator(4, 2)
     a.reserve("x", 3)

@@ -242,6 +242,8 @@ class PrefixCachingAllocator(PageAllocator):
         while len(pages) < count:
             page, _ = self._lru.popitem(last=False)
             del self._page_of[self._key_of[page]]
+            if self.checkpoints is not None:  # no prompt can match up to it any more
+                self.checkpoints.drop(self._key_of[page])
             self._key_of[page] = None
             pages.append(page)
         for page in pages:
