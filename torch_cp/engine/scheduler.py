@@ -18,9 +18,9 @@ allocates plus the shared pages that stop being evictable), so the same promise 
 step commits, the full pages it wrote are registered for later requests to share.
 
 A hybrid model's requests reuse a cached prefix only up to a state checkpoint (``kv/
-state_checkpoints.py``). Its prompts' prefill chunks end at page boundaries, and at the prompt's
-last page boundary that a later prompt could share, so that a checkpoint is taken at each chunk
-end (``checkpoint_keys``).
+state_checkpoints.py``). Its prompts' prefill chunks end at page boundaries, at the prompt's
+last page boundary a later prompt could share and where its cached prefix ends, so that a
+checkpoint is taken at each chunk end (``checkpoint_keys``).
 """
 
 from __future__ import annotations
