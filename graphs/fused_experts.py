@@ -30,25 +30,30 @@ BLOCK_N, BLOCK_K = 32, 128
 
 
 @triton.jit
+def _rows_times(rows, vec_ptr, in_rows, length, BN: tl.constexpr, BK: tl.constexpr):
+    """[BN] float32: each of ``BN`` weight rows (pointers ``rows`` [BN, 1], masked by
+    ``in_rows``) times the vector at ``vec_ptr`` of ``length``, in ``BK`` chunks."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, length, BK):
+        k = k0 + tl.arange(0, BK)
+        in_k = k < length
+        vec = tl.load(vec_ptr + k, mask=in_k, other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * vec[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, out_ss,
              TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pair = tl.program_id(0)
-    token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     in_n = n < inter
-    gate = tl.zeros([BN], dtype=tl.float32)
-    up = tl.zeros([BN], dtype=tl.float32)
     rows = w_ptr + expert * w_se + n[:, None] * w_sn
-    for k0 in range(0, hidden, BK):
-        k = k0 + tl.arange(0, BK)
-        in_k = k < hidden
-        x = tl.load(x_ptr + token * x_st + k, mask=in_k, other=0.0).to(tl.float32)
-        mask = in_n[:, None] & in_k[None, :]
-        w_gate = tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        w_up = tl.load(rows + inter * w_sn + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        gate += tl.sum(w_gate * x[None, :], axis=1)
-        up += tl.sum(w_up * x[None, :], axis=1)
+    x = x_ptr + (pair // TOP_K) * x_st
+    gate = _rows_times(rows, x, in_n, hidden, BN, BK)
+    up = _rows_times(rows + inter * w_sn, x, in_n, hidden, BN, BK)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pair * out_ss + n, out.to(out_ptr.dtype.element_ty), mask=in_n)
 
@@ -60,14 +65,8 @@ def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     m = tl.program_id(1) * BN + tl.arange(0, BN)
     in_m = m < hidden
-    acc = tl.zeros([BN], dtype=tl.float32)
     rows = w_ptr + expert * w_se + m[:, None] * w_sm
-    for k0 in range(0, inter, BK):
-        k = k0 + tl.arange(0, BK)
-        in_k = k < inter
-        h = tl.load(h_ptr + pair * h_ss + k, mask=in_k, other=0.0).to(tl.float32)
-        w = tl.load(rows + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+    acc = _rows_times(rows, h_ptr + pair * h_ss, in_m, inter, BN, BK)
     weight = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * out_ss + m, acc * weight, mask=in_m)
 
