@@ -17,6 +17,8 @@ weights, another activation, a post-expert norm, expert parallelism) always take
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,21 @@ from torch_cp.graphs.experts import capturable
 
 NAME = "torch_cp_fused"
 MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
-BLOCK_N, BLOCK_K = 32, 128
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch: ``rows`` weight rows and ``cols`` channels a program reads at a
+    time, and its warps."""
+
+    rows: int
+    cols: int
+    warps: int
+
+
+# Picked by benchmarks/experts_tiles.py on the H200 (BENCHMARKS.md "MoE models under CUDA graphs").
+GATE_UP_TILES = Tiles(rows=32, cols=128, warps=4)
+DOWN_TILES = Tiles(rows=32, cols=128, warps=4)
 
 
 @triton.jit
@@ -46,16 +62,19 @@ def _rows_times(rows, vec_ptr, in_rows, length, BN: tl.constexpr, BK: tl.constex
 @triton.jit
 def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, out_ss,
              TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # One loop over [2 * BN] rows, gate row j and up row j interleaved (2j, 2j + 1), so both
+    # halves' loads are in flight together; split after.
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    r = tl.arange(0, 2 * BN)
+    n = tl.program_id(1) * BN + r // 2
     in_n = n < inter
-    rows = w_ptr + expert * w_se + n[:, None] * w_sn
+    rows = w_ptr + expert * w_se + (n + (r % 2) * inter)[:, None] * w_sn
     x = x_ptr + (pair // TOP_K) * x_st
-    gate = _rows_times(rows, x, in_n, hidden, BN, BK)
-    up = _rows_times(rows + inter * w_sn, x, in_n, hidden, BN, BK)
+    gate, up = tl.split(tl.reshape(_rows_times(rows, x, in_n, hidden, 2 * BN, BK), [BN, 2]))
     out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pair * out_ss + n, out.to(out_ptr.dtype.element_ty), mask=in_n)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    tl.store(out_ptr + pair * out_ss + n, out.to(out_ptr.dtype.element_ty), mask=n < inter)
 
 
 @triton.jit
@@ -82,7 +101,8 @@ def fits(experts: torch.nn.Module) -> bool:
 
 
 def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Tensor,
-                  weights_tk: torch.Tensor) -> torch.Tensor:
+                  weights_tk: torch.Tensor, gate_up_tiles: Tiles = GATE_UP_TILES,
+                  down_tiles: Tiles = DOWN_TILES) -> torch.Tensor:
     """The experts' output [T, H] for tokens ``x_td`` [T, H] routed to ``ids_tk`` [T, k] with
     ``weights_tk`` [T, k], through the two kernels (any T; ``fused_experts_forward`` decides
     when)."""
@@ -94,13 +114,15 @@ def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Te
     x_td = x_td if x_td.stride(-1) == 1 else x_td.contiguous()
     ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
     h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
-    _gate_up[(pairs, triton.cdiv(inter, BLOCK_N))](
+    t = gate_up_tiles
+    _gate_up[(pairs, triton.cdiv(inter, t.rows))](
         x_td, gate_up, ids, h_si, hidden, inter, x_td.stride(0), gate_up.stride(0),
-        gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BN=BLOCK_N, BK=BLOCK_K)
+        gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BN=t.rows, BK=t.cols, num_warps=t.warps)
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
-    _down[(pairs, triton.cdiv(hidden, BLOCK_N))](
+    t = down_tiles
+    _down[(pairs, triton.cdiv(hidden, t.rows))](
         h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
-        down.stride(1), out_sd.stride(0), BN=BLOCK_N, BK=BLOCK_K)
+        down.stride(1), out_sd.stride(0), BN=t.rows, BK=t.cols, num_warps=t.warps)
     return out_sd.view(tokens, top_k, hidden).sum(dim=1).to(x_td.dtype)
 
 
