@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 rows += sweep(shape, tokens, bandwidth, results)
     best = []
-    for key, group in itertools.groupby(rows, lambda r: (r["shape"], r["tokens"], r["kernel"])):
+    for _, group in itertools.groupby(rows, lambda r: (r["shape"], r["tokens"], r["kernel"])):
         best.append(min(group, key=lambda r: r["ms"]))
     print(table(best, ["shape", "tokens", "kernel", "rows", "cols", "warps", "ms",
                        "roofline_ms"]))

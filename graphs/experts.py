@@ -25,11 +25,27 @@ from torch_cp import compat
 log = logging.getLogger("torch_cp")
 
 # By measurement on the H200 (BENCHMARKS.md, "MoE models under CUDA graphs"; Qwen3-30B-A3B and
-# GLM-4.7-Flash blocks, bf16, replayed from a graph): grouped_mm takes 0.49-0.58 ms at 32 and 64
-# tokens against batched_mm's 1.6-3.1 ms (which copies every token's experts), and 0.11-0.16 ms
-# against 0.10-0.15 at one token; both are as exact (the same error against fp32). batched_mm is
-# the one left where grouped_mm cannot be captured (weights other than bf16).
-PREFERRED = ("grouped_mm", "batched_mm")
+# GLM-4.7-Flash blocks, bf16, replayed from a graph): at one token torch_cp's fused kernels
+# (graphs/fused_experts.py; CUDA and Triton only) take 0.03-0.04 ms of experts against grouped_mm's
+# 0.11-0.16 ms of block, and are more exact (they keep fp32 to SiLU(gate) * up); above their
+# MAX_PAIRS they run grouped_mm (bf16) or batched_mm. grouped_mm takes 0.49-0.58 ms at 32 and 64
+# tokens against batched_mm's 1.6-3.1 ms (which copies every token's experts); batched_mm is the
+# one left where grouped_mm cannot be captured (weights other than bf16).
+PREFERRED = ("torch_cp_fused", "grouped_mm", "batched_mm")
+
+
+def available(name: str, device: torch.device) -> bool:
+    """Whether implementation ``name`` can be chosen on ``device``: torch_cp's fused kernels
+    need CUDA and Triton (importing them registers them with transformers)."""
+    if name != "torch_cp_fused":
+        return True
+    if device.type != "cuda":
+        return False
+    try:
+        from torch_cp.graphs import fused_experts  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -89,7 +105,7 @@ def capturable_experts(model: nn.Module) -> str | None:
     current = {compat.experts_implementation(e) for e in experts}
     if all(capturable(name, dtype, device) for name in current):
         return None
-    choice = next(n for n in PREFERRED if capturable(n, dtype, device))
+    choice = next(n for n in PREFERRED if available(n, device) and capturable(n, dtype, device))
     compat.set_experts_implementation(model, experts, choice)
     log.warning("torch_cp: MoE experts implementation %s cannot be captured in a CUDA graph "
                 "with %s weights; switched to %r (model.set_experts_implementation)",

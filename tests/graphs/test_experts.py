@@ -5,6 +5,7 @@ logits against the same model with transformers' eager experts loop."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import mla_models
@@ -15,6 +16,7 @@ from torch import nn
 
 from torch_cp.graphs.experts import (
     PREFERRED,
+    available,
     capturable,
     capturable_experts,
     experts_modules,
@@ -100,5 +102,9 @@ def test_on_cuda_grouped_mm_is_captured_in_bf16_only(dtype, want, monkeypatch):
     assert capturable("grouped_mm", torch.bfloat16, torch.device("cuda", 0)) is False
 
 
-def test_grouped_mm_is_preferred():
-    assert PREFERRED == ("grouped_mm", "batched_mm")
+def test_fused_kernels_are_preferred_where_cuda_and_triton_are():
+    assert PREFERRED == ("torch_cp_fused", "grouped_mm", "batched_mm")
+    assert not available("torch_cp_fused", torch.device("cpu")), "nothing captured on the CPU"
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert available("torch_cp_fused", torch.device("cuda", 0)) is has_triton
+    assert available("grouped_mm", torch.device("cpu"))

@@ -184,7 +184,7 @@ def test_captured_decode_gives_the_reference_tokens_and_nan_padding_stays_out(na
     assert engine.replayed_steps > replayed
     assert dirty == clean, "NaN padding (state slots, sink page, padding tokens) reached a real row"
     if moe:
-        assert model.config.get_text_config()._experts_implementation == "grouped_mm"
+        assert model.config.get_text_config()._experts_implementation == "torch_cp_fused"
         assert sum("switched to" in r.getMessage() for r in caplog.records) == 1
 
 
