@@ -34,18 +34,22 @@ log = logging.getLogger("torch_cp")
 PREFERRED = ("torch_cp_fused", "grouped_mm", "batched_mm")
 
 
-def available(name: str, device: torch.device) -> bool:
-    """Whether implementation ``name`` can be chosen on ``device``: torch_cp's fused kernels
-    need CUDA and Triton (importing them registers them with transformers)."""
-    if name != "torch_cp_fused":
-        return True
+def register_fused(device: torch.device) -> bool:
+    """Register torch_cp's fused experts with transformers (``"torch_cp_fused"``, for
+    ``model.set_experts_implementation``) where they can run, CUDA with Triton; whether they
+    can."""
     if device.type != "cuda":
         return False
     try:
-        from torch_cp.graphs import fused_experts  # noqa: F401
-    except ImportError:
+        from torch_cp.graphs import fused_experts  # noqa: F401  (registers on import)
+    except ImportError:  # no Triton
         return False
     return True
+
+
+def available(name: str, device: torch.device) -> bool:
+    """Whether implementation ``name`` can be chosen on ``device``."""
+    return name != "torch_cp_fused" or register_fused(device)
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:

@@ -12,6 +12,7 @@ from torch import nn
 from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
+from torch_cp.graphs.experts import experts_modules, register_fused
 from torch_cp.hf import model_generate
 from torch_cp.hf.forward import patched_forward, patched_linear_forward
 from torch_cp.hf.validate import PatchSettings, validate_patch
@@ -106,6 +107,8 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
         runtime.originals.append((mod, mod.__dict__.get("forward", _ABSENT)))
         mod.cp_state = LinearStateLayer(state_layer, runtime.linear_kernels)
         mod.forward = patched_linear_forward(family, mod)
+    if experts_modules(model):
+        register_fused(s.device)  # so "torch_cp_fused" can be set by name
     model.torch_cp = runtime
     model_generate.install_generate(model)
     return model
