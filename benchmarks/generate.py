@@ -303,8 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip runs past this")
     ap.add_argument("--experts", default=None,
-                    help="MoE experts implementation of every system (default: grouped_mm in "
-                         "bf16; torch_cp_fused: torch_cp's fused decode-sized experts)")
+                    help="MoE experts implementation of every system (default: torch_cp's, "
+                         "torch_cp_fused in bf16 on CUDA; see benchmarks/models.build)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")

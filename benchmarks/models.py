@@ -16,6 +16,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from torch_cp.graphs.experts import register_fused
+
 # Qwen3-8B (config.json of Qwen/Qwen3-8B).
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -90,18 +92,20 @@ def config_for(name: str, smoke: bool):
 def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = False,
           experts: str | None = None):
     """Random weights drawn on ``device`` directly (N(0, initializer_range), norms at 1).
-    ``experts``: a MoE model's experts implementation (default: ``grouped_mm`` in bf16, else
-    ``batched_mm``; ``"torch_cp_fused"``: torch_cp's fused decode-sized experts)."""
+    ``experts``: a MoE model's experts implementation for torch_cp and the peers alike (default:
+    in bf16 torch_cp's fused decode-sized experts ``"torch_cp_fused"`` where CUDA and Triton are,
+    torch_cp's own default, else ``grouped_mm``; ``batched_mm`` in other dtypes)."""
     config = config_for(name, smoke)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if experts_of(model):  # the peers and torch_cp run the same experts (graphs/experts.py)
-        if experts == "torch_cp_fused":
-            import torch_cp.graphs.fused_experts  # noqa: F401  (registers the implementation)
-        model.set_experts_implementation(experts or ("grouped_mm" if dtype == torch.bfloat16
-                                                     else "batched_mm"))
+        fused = register_fused(torch.device(device))
+        if experts is None:
+            experts = (("torch_cp_fused" if fused else "grouped_mm") if dtype == torch.bfloat16
+                       else "batched_mm")
+        model.set_experts_implementation(experts)
     return model.eval()
 
 

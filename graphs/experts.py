@@ -26,11 +26,13 @@ log = logging.getLogger("torch_cp")
 
 # By measurement on the H200 (BENCHMARKS.md, "MoE models under CUDA graphs"; Qwen3-30B-A3B and
 # GLM-4.7-Flash blocks, bf16, replayed from a graph): at one token torch_cp's fused kernels
-# (graphs/fused_experts.py; CUDA and Triton only) take 0.03-0.04 ms of experts against grouped_mm's
-# 0.11-0.16 ms of block, and are more exact (they keep fp32 to SiLU(gate) * up); above their
-# MAX_PAIRS they run grouped_mm (bf16) or batched_mm. grouped_mm takes 0.49-0.58 ms at 32 and 64
-# tokens against batched_mm's 1.6-3.1 ms (which copies every token's experts); batched_mm is the
-# one left where grouped_mm cannot be captured (weights other than bf16).
+# (graphs/fused_experts.py; CUDA and Triton only) ran the block in 0.070 / 0.13 ms against
+# grouped_mm's 0.112 / 0.166 with their first tiles (run 53), the tiles picked since halve their
+# part (run 54), and a Qwen3-30B-A3B decode step at batch 1 takes 5.21 ms against 6.75 (runs 55,
+# 40); they are more exact (fp32 up to SiLU(gate) * up) and run grouped_mm (bf16) or batched_mm
+# above MAX_PAIRS. grouped_mm takes 0.49-0.58 ms at 32 and 64 tokens against batched_mm's 1.6-3.1
+# ms (which copies every token's experts); batched_mm is the one left where grouped_mm cannot be
+# captured (weights other than bf16).
 PREFERRED = ("torch_cp_fused", "grouped_mm", "batched_mm")
 
 
