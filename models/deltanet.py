@@ -63,18 +63,20 @@ def shard_linear(mod: nn.Module, tp_rank: int, tp: int) -> None:
 
 
 def _project(mod: nn.Module, x_nd: torch.Tensor):
-    """(conv input [N, C], z [N, Hv, Dv], b [N, Hv], a [N, Hv])."""
+    """(conv input [N, C], z [N, Hv, Dv], b [N, Hv], a [N, Hv]), the input projections run as
+    one GEMM (``cp_in``, fused_linear.py)."""
     n = x_nd.shape[0]
     if hasattr(mod, "in_proj_qkvz"):
         hk, ratio = mod.num_k_heads, mod.num_v_heads // mod.num_k_heads
         dk, dv = mod.head_k_dim, mod.head_v_dim
-        qkvz = mod.in_proj_qkvz(x_nd).view(n, hk, -1)
-        q, k, v, z = torch.split(qkvz, [dk, dk, ratio * dv, ratio * dv], dim=-1)
-        b, a = torch.split(mod.in_proj_ba(x_nd).view(n, hk, -1), [ratio, ratio], dim=-1)
+        qkvz, ba = mod.cp_in(x_nd)
+        q, k, v, z = torch.split(qkvz.view(n, hk, -1), [dk, dk, ratio * dv, ratio * dv], dim=-1)
+        b, a = torch.split(ba.view(n, hk, -1), [ratio, ratio], dim=-1)
         qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return qkv, z.reshape(n, -1, dv), b.reshape(n, -1), a.reshape(n, -1)
-    z = mod.in_proj_z(x_nd).view(n, -1, mod.head_v_dim)
-    return mod.in_proj_qkv(x_nd), z, mod.in_proj_b(x_nd), mod.in_proj_a(x_nd)
+    qkv, z, b, a = mod.cp_in(x_nd)
+    # The state ops read the conv input densely; the others are views of the one GEMM's output.
+    return qkv.contiguous(), z.view(n, -1, mod.head_v_dim), b, a
 
 
 def linear_forward(mod: nn.Module, x_nd: torch.Tensor, state: StatePool, plan) -> torch.Tensor:

@@ -118,9 +118,8 @@ class GQAFamily:
         """x_nd [N, hidden] -> [N, hidden]; see ``Family.forward``."""
         n = x_nd.shape[0]
         d = head_dim_of(attn.config)
-        q_nhd = attn.q_proj(x_nd).view(n, -1, d)
-        k_nhd = attn.k_proj(x_nd).view(n, -1, d)
-        v_nhd = attn.v_proj(x_nd).view(n, -1, d)
+        q, k, v = attn.cp_in(x_nd)  # q_proj, k_proj, v_proj as one GEMM (fused_linear.py)
+        q_nhd, k_nhd, v_nhd = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
         if getattr(attn, "q_norm", None) is not None:
             q_nhd, k_nhd = attn.q_norm(q_nhd), attn.k_norm(k_nhd)
         rope = self.ropes[attn.config.model_type]

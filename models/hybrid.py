@@ -107,10 +107,11 @@ class HybridFamily:
         """x_nd [N, hidden] -> [N, hidden]; see ``Family.forward``."""
         n = x_nd.shape[0]
         d = head_dim_of(attn.config)
-        q_nhd, gate_nhd = torch.chunk(attn.q_proj(x_nd).view(n, -1, 2 * d), 2, dim=-1)
+        q_gate, k, v = attn.cp_in(x_nd)  # q_proj, k_proj, v_proj as one GEMM
+        q_nhd, gate_nhd = torch.chunk(q_gate.view(n, -1, 2 * d), 2, dim=-1)
         q_nhd = attn.q_norm(q_nhd)
-        k_nhd = attn.k_norm(attn.k_proj(x_nd).view(n, -1, d))
-        v_nhd = attn.v_proj(x_nd).view(n, -1, d)
+        k_nhd = attn.k_norm(k.view(n, -1, d))
+        v_nhd = v.view(n, -1, d)
         q_nhd, k_nhd = self.ropes[attn.config.model_type](q_nhd, k_nhd, cos_nd, sin_nd,
                                                           unsqueeze_dim=1)
         out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, pool, plan)

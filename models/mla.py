@@ -111,14 +111,13 @@ class MLAFamily:
         [N, hidden] (see ``Family.forward``)."""
         n = x_nd.shape[0]
         nope, rope, rank = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
-        if attn.q_proj is not None:
-            q = attn.q_proj(x_nd)
-        else:
-            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_nd)))
+        q, ckv_kpe = attn.cp_in(x_nd)  # q_proj (or q_a_proj), kv_a_proj_with_mqa as one GEMM
+        if attn.q_proj is None:
+            q = attn.q_b_proj(attn.q_a_layernorm(q))
         q_nhd = q.view(n, -1, nope + rope)
         q_nope, q_pe = q_nhd.split([nope, rope], dim=-1)
 
-        ckv, kpe = attn.kv_a_proj_with_mqa(x_nd).split([rank, rope], dim=-1)
+        ckv, kpe = ckv_kpe.split([rank, rope], dim=-1)
         ckv_nr = attn.kv_a_layernorm(ckv)
 
         # The model's own RoPE (rotate_half or interleaved pairs), unsqueezed over heads; its

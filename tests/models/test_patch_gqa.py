@@ -73,15 +73,36 @@ def test_checkpoint_roundtrip(model_type, tmp_path):
     assert_matches(greedy(loaded, PROMPTS, NEW_TOKENS), ref_tokens, ref_logits, "loaded")
 
 
+def storage_bytes(model) -> int:
+    """Bytes of the distinct storages under the model's parameters and buffers."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
 def test_patch_uses_the_models_own_weights():
+    """Patching copies no weight: the linears that read one input share one storage
+    (fused_linear.py), the rest keep theirs, the values and the bytes held are the same; unpatching
+    gives the fused linears their own storage back."""
     model = tiny_model("qwen3")
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    held = storage_bytes(model)
     torch_cp.patch_model(model)
     after = model.state_dict()
     assert after.keys() == before.keys()
+    fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     for k, (ptr, value) in before.items():
-        assert after[k].data_ptr() == ptr, k
+        assert after[k].data_ptr() == ptr or k.split(".")[-2] in fused, k
         torch.testing.assert_close(after[k], value, atol=0, rtol=0)
+    assert storage_bytes(model) == held
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == \
+        attn.cp_in.weight.untyped_storage().data_ptr() == \
+        attn.v_proj.weight.untyped_storage().data_ptr()
+    torch_cp.unpatch_model(model)
+    assert attn.q_proj.weight.untyped_storage().nbytes() == attn.q_proj.weight.nbytes
+    for k, (_, value) in before.items():
+        torch.testing.assert_close(model.state_dict()[k], value, atol=0, rtol=0)
 
 
 def test_padded_input_with_token_index_equals_packed():

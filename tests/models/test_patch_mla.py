@@ -15,6 +15,7 @@ import torch
 from mla_models import VARIANTS, tiny_config, tiny_model, variant_id
 
 from torch_cp.attention import ContextParallelAttention, Exchange, TorchBackend
+from torch_cp.fused_linear import fuse_in_projections
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.hf.forward import patched_forward
 from torch_cp.kv import MLAPool, PageAllocator
@@ -47,7 +48,8 @@ def reference_attention(model, layer: int, x_ld: torch.Tensor) -> torch.Tensor:
 
 class Harness:
     """A placed latent pool, allocator, backend and one ContextParallelAttention per layer,
-    attached to the given attention modules as ``cp_attention`` (what patch_model will do)."""
+    attached to the given attention modules as ``cp_attention``, their input projections fused
+    (what patch_model will do)."""
 
     def __init__(self, model, attns, config, tp: int = 1, placement: ContextParallel | None = None,
                  dtype: torch.dtype = torch.float32):
@@ -57,6 +59,7 @@ class Harness:
         backend = TorchBackend(self.geometry)
         exchange = Exchange(self.placement)
         for attn in attns:
+            fuse_in_projections(attn)
             attn.cp_attention = ContextParallelAttention(attn.layer_idx, backend, exchange)
         runtime = ModelRuntime(self.placement, exchange, backend, self.geometry, len(attns),
                                dtype, torch.device("cpu"), PAGE_SIZE)

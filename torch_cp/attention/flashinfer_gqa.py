@@ -125,7 +125,8 @@ class _GQAKernels:
         assert not self._is_decode, "run_own() needs a planned multi-token step"
         k = k.masked_fill(self._padding, 0)
         v = v.masked_fill(self._padding, 0)
-        out, lse = self._own.run(q.contiguous(), k, v, return_lse=True)
+        # v may be a view of the fused q/k/v GEMM's output (fused_linear.py).
+        out, lse = self._own.run(q.contiguous(), k.contiguous(), v.contiguous(), return_lse=True)
         return Partial(out, lse)
 
 

@@ -39,6 +39,7 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
+from torch_cp.fused_linear import fused_storage
 from torch_cp.hf.checkpoint import map_checkpoint, read_headers, read_into
 from torch_cp.hf.patch import patch_validated, shard_model
 from torch_cp.hf.validate import DTYPES, patch_problems
@@ -92,13 +93,16 @@ def _load(model: nn.Module, trees: dict, files: _Files, device: torch.device) ->
     """Replace every meta parameter / buffer named in ``trees`` by its part read from the files,
     in every module that holds it (tied parameters stay one object)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    places = fused_storage(model, device)
     order = sorted(trees, key=lambda n: (max(trees[n].files), n))  # roughly file by file
     last = {f: i for i, n in enumerate(order) for f in trees[n].files}
     loaded = {}
     for i, name in enumerate(order):
         old = tensors[name]
         shard = shard_of(old)
-        new = torch.empty(old.shape, dtype=old.dtype, device=device)
+        new = places.get(id(old))
+        if new is None:
+            new = torch.empty(old.shape, dtype=old.dtype, device=device)
         with torch.no_grad():
             read_into(trees[name], new, shard and shard.dim, shard and shard.runs(), files)
         if isinstance(old, nn.Parameter):

@@ -12,6 +12,7 @@ from torch import nn
 from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
+from torch_cp.fused_linear import FusedLinear, fuse_gate_up, fuse_in_projections, gated_mlps
 from torch_cp.graphs.experts import experts_modules, register_fused
 from torch_cp.hf import model_generate
 from torch_cp.hf.forward import patched_forward, patched_linear_forward
@@ -70,6 +71,8 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
         ``model``, with ``model.torch_cp`` (a ``ModelRuntime``) and each attention module's
         ``cp_attention``. Its forward then needs ``past_key_values=PagedKVCache(...)`` with a
         step plan (``model.generate`` makes one itself, see ``torch_cp.hf.model_generate``).
+        Linears that read one input (q/k/v, gate/up) run as one GEMM, their weights views of one
+        storage (``torch_cp.fused_linear``): move and load the model before patching it.
     Raises:
         ValueError naming every problem, before anything is allocated or modified; also when
         the model is already patched.
@@ -98,6 +101,7 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
                            s.device, s.page_size, s.tp, tp_rank, tp_group, family)
     for pool_layer, attn in enumerate(attns):  # the pool's layers: the attention layers only
         runtime.originals.append((attn, attn.__dict__.get("forward", _ABSENT)))
+        fuse_in_projections(attn)
         attn.cp_attention = ContextParallelAttention(pool_layer, attn_backend, exchange)
         attn.forward = patched_forward(family, attn)
     if linears:
@@ -105,8 +109,12 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
         runtime.linear_kernels = linear_kernels(attn_backend.name)
     for state_layer, mod in enumerate(linears):
         runtime.originals.append((mod, mod.__dict__.get("forward", _ABSENT)))
+        fuse_in_projections(mod)
         mod.cp_state = LinearStateLayer(state_layer, runtime.linear_kernels)
         mod.forward = patched_linear_forward(family, mod)
+    for mlp in gated_mlps(model):
+        runtime.originals.append((mlp, mlp.__dict__.get("forward", _ABSENT)))
+        mlp.forward = fuse_gate_up(mlp)
     if experts_modules(model):
         register_fused(s.device)  # so "torch_cp_fused" can be set by name
     model.torch_cp = runtime
@@ -128,9 +136,10 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         del module.forward
         if original is not _ABSENT:
             module.forward = original
-        for name in ("cp_attention", "cp_state"):
+        for name in ("cp_attention", "cp_state", "cp_in", "cp_gate_up"):
             module.__dict__.pop(name, None)
-            module._modules.pop(name, None)
+            if isinstance(fused := module._modules.pop(name, None), FusedLinear):
+                fused.unfuse()
     model_generate.uninstall_generate(model)
     del model.torch_cp
     return model

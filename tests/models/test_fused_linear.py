@@ -1,0 +1,133 @@
+"""torch_cp/fused_linear.py: linears that read one input run as one GEMM over weights that share
+one storage.
+
+- ``FusedLinear`` gives each linear's output (fp32, atol 1e-6: one GEMM over the concatenated
+  rows sums each output over the same inputs, in the order the GEMM picks); linears it cannot
+  fuse (a subclass, a hook, another dtype, a bias on some only) run one by one, untouched.
+- ``patch_model`` fuses every family's input projections and gated MLPs, and the model's
+  outputs stay the unpatched model's (the model tests); ``from_pretrained`` reads the fused
+  linears straight into their shared storage, so patching copies nothing.
+"""
+
+from __future__ import annotations
+
+import mla_models
+import pytest
+import torch
+from driver import tiny_model
+from torch import nn
+
+import torch_cp
+from torch_cp import fused_linear
+from torch_cp.fused_linear import (
+    FusedLinear,
+    fusable,
+    fuse_in_projections,
+    fusion_groups,
+    gated_mlps,
+)
+
+
+def linears(bias: bool, sizes=(24, 8, 8), seed: int = 0) -> list[nn.Linear]:
+    torch.manual_seed(seed)
+    return [nn.Linear(16, n, bias=bias) for n in sizes]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_gemm_gives_each_linears_output(bias):
+    mods = linears(bias)
+    x = torch.randn(5, 16)
+    want = [m(x) for m in mods]
+    fused = FusedLinear(mods)
+    assert fused.fused
+    got = fused(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    assert all(m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+               for m in mods)
+    for m, w in zip(mods, want, strict=True):  # the linears still work, over the views
+        torch.testing.assert_close(m(x), w, atol=0, rtol=0)
+
+
+class Scaled(nn.Linear):
+    pass
+
+
+def unfusable_cases():
+    hooked = linears(False)
+    hooked[1].register_forward_hook(lambda m, i, o: o * 2)
+    mixed_dtype = linears(False)
+    mixed_dtype[2].to(torch.float64)
+    mixed_bias = linears(False)
+    mixed_bias[0] = nn.Linear(16, 24, bias=True)
+    subclass = linears(False)
+    subclass[1] = Scaled(16, 8)
+    return {"hook": hooked, "dtype": mixed_dtype, "bias": mixed_bias, "subclass": subclass,
+            "one": linears(False)[:1]}
+
+
+@pytest.mark.parametrize("case", list(unfusable_cases()))
+def test_linears_that_cannot_share_a_weight_run_one_by_one(case):
+    mods = unfusable_cases()[case]
+    assert not fusable(mods)
+    ptrs = [m.weight.data_ptr() for m in mods]
+    x = torch.randn(3, 16)
+    want = [m(x.to(m.weight.dtype)) for m in mods]
+    fused = FusedLinear(mods)
+    assert not fused.fused and [m.weight.data_ptr() for m in mods] == ptrs
+    for g, w in zip(fused(x.to(mods[0].weight.dtype)) if case != "dtype" else
+                    [m(x.to(m.weight.dtype)) for m in mods], want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("model_type,groups", [
+    ("qwen3", {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}),
+    ("deepseek_v3", {("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"),
+                     ("gate_proj", "up_proj")}),
+    ("qwen3_5_text", {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                      ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}),
+    ("qwen3_next", {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                    ("in_proj_qkvz", "in_proj_ba")}),
+    ("glm4", {("q_proj", "k_proj", "v_proj")}),  # its MLP has gate_up_proj already
+])
+def test_every_familys_projections_and_gated_mlps_are_found(model_type, groups):
+    if model_type == "deepseek_v3":
+        model = mla_models.tiny_model(mla_models.tiny_config("deepseek_v3"))
+    else:
+        model = tiny_model(model_type)
+    names = {m: n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    found = {tuple(names[m] for m in g) for g in fusion_groups(model)}
+    assert found <= groups and found & groups, found
+    if model_type != "glm4":
+        assert gated_mlps(model)
+
+
+def test_a_gated_mlp_fused_equals_its_own_forward():
+    model = tiny_model("qwen3")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(4, model.config.hidden_size)
+    want = mlp(x)
+    torch_cp.patch_model(model)
+    assert "cp_gate_up" in mlp._modules and mlp.cp_gate_up.fused
+    torch.testing.assert_close(mlp(x), want, atol=1e-6, rtol=1e-6)
+
+
+def test_no_projections_no_fusion():
+    assert fuse_in_projections(nn.Linear(4, 4)) is None
+
+
+def test_from_pretrained_reads_fused_linears_into_one_storage_and_patching_copies_nothing(
+        tmp_path, monkeypatch):
+    tiny_model("qwen3").save_pretrained(tmp_path, safe_serialization=True)
+    found = []
+    consecutive = fused_linear._consecutive
+    monkeypatch.setattr(fused_linear, "_consecutive",
+                        lambda parts: found.append(consecutive(parts)) or found[-1])
+    model = torch_cp.from_pretrained(tmp_path)
+    assert found and all(t is not None for t in found), "each group already in one storage"
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for fused, mods in ((attn.cp_in, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                        (mlp.cp_gate_up, (mlp.gate_proj, mlp.up_proj))):
+        assert fused.fused
+        base = fused.weight.untyped_storage().data_ptr()
+        assert all(m.weight.untyped_storage().data_ptr() == base for m in mods)

@@ -1,0 +1,182 @@
+"""Linears that read the same input, run as one GEMM.
+
+In a decode step at batch 1 every weight GEMM is a matrix-vector product bound by reading its
+weight, and cuBLAS reads small weights slower than large ones: on the H200, Qwen3-8B's k/v
+projections (8 MB each) at 1.6 TB/s against 3.2-3.8 TB/s for q/o and the MLP (run 24,
+BENCHMARKS.md "Where a decode step goes"). So the linears of one module that read the same
+input (an attention's q/k/v, MLA's query and latent projections, a DeltaNet layer's input
+projections, an MLP's gate and up) run as one GEMM over their weights concatenated, as vLLM's
+``QKVParallelLinear`` and gpt-fast's ``wqkv`` do, with one launch instead of two to four.
+
+The concatenated weight is the storage: each linear's weight (and bias) becomes a view of its
+rows, so the memory, the modules and their state-dict entries stay as they were, and weights
+copied in later (``load_state_dict``) reach the GEMM. The model is patched after it is moved and
+loaded, as ``patch_model`` asks: moved after, each part is copied apart (right, twice the bytes);
+parameters replaced after (``load_state_dict(assign=True)``) would not reach the fused weight.
+``unpatch_model`` gives each linear its own storage back. Linears that are not plain
+``nn.Linear`` of one dtype and device, or that carry hooks, run one by one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The input projections of the modules torch_cp's families run, in the order their forwards
+# unpack them; a module takes the first group whose linears it has.
+IN_PROJECTIONS = (
+    ("q_proj", "k_proj", "v_proj"),                                      # GQA, gated attention
+    ("q_proj", "kv_a_proj_with_mqa"),                                     # MLA without q LoRA
+    ("q_a_proj", "kv_a_proj_with_mqa"),                                   # MLA with q LoRA
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),               # Qwen3.5 DeltaNet
+    ("in_proj_qkvz", "in_proj_ba"),                                       # Qwen3-Next DeltaNet
+)
+# transformers' gated MLP, the same line in every family that has gate_proj and up_proj.
+GATED_MLP_LINE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+
+
+def fusable(linears: Sequence[nn.Module], meta: bool = False) -> bool:
+    """Whether ``linears`` can share one concatenated weight: plain ``nn.Linear`` (no subclass,
+    tensor subclass or hook: quantised, LoRA, offloaded and sharded-tensor weights run one by
+    one) over the same input size, dtype and device (the meta device only if ``meta``), all
+    with a bias or none."""
+    if len(linears) < 2 or any(type(m) is not nn.Linear for m in linears):
+        return False
+    first = linears[0].weight
+    return all(
+        type(m.weight) is nn.Parameter and m.weight.is_contiguous()
+        and m.weight.device == first.device and m.weight.dtype == first.dtype
+        and (meta or m.weight.device.type != "meta")
+        and m.in_features == linears[0].in_features
+        and (m.bias is None) == (linears[0].bias is None)
+        and not (m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"))
+        for m in linears)
+
+
+class FusedLinear(nn.Module):
+    """``linears`` reading one input x [..., in]: ``forward(x)`` returns their outputs in order,
+    from one GEMM where ``fusable``, else from each linear."""
+
+    def __init__(self, linears: Sequence[nn.Linear]):
+        super().__init__()
+        self.sizes = [m.out_features for m in linears]
+        self.fused = fusable(linears)
+        self.linears = list(linears)  # a plain list: their parent module owns them
+        if not self.fused:
+            return
+        self.register_buffer("weight", _concatenate(linears, "weight"), persistent=False)
+        bias = _concatenate(linears, "bias") if linears[0].bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.fused:
+            return tuple(m(x) for m in self.linears)
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def unfuse(self) -> None:
+        """Give each linear its own storage again (``unpatch_model``: safetensors will not save
+        views of one storage)."""
+        if self.fused:
+            for m in self.linears:
+                for name in ("weight", "bias"):
+                    p = getattr(m, name)
+                    if p is not None:
+                        setattr(m, name, nn.Parameter(p.detach().clone(),
+                                                      requires_grad=p.requires_grad))
+
+
+def _concatenate(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:
+    """One tensor of the linears' ``name`` tensors; each linear's becomes a view of its rows
+    (they already are when ``torch_cp.from_pretrained`` read them into ``fused_storage``)."""
+    parts = [getattr(m, name) for m in linears]
+    whole = _consecutive(parts)
+    if whole is not None:
+        return whole
+    whole = torch.cat([p.detach() for p in parts])
+    for m, p, view in zip(linears, parts, whole.split([p.shape[0] for p in parts])):
+        setattr(m, name, nn.Parameter(view, requires_grad=p.requires_grad))
+    return whole
+
+
+def _consecutive(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor of which ``parts`` are consecutive rows in order, if they are, else None."""
+    storage, start = parts[0].untyped_storage(), parts[0].storage_offset()
+    offset = start
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != offset:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return parts[0].detach().new_empty(0).set_(storage, start, (rows, *parts[0].shape[1:]))
+
+
+def fusion_groups(model: nn.Module, meta: bool = False) -> list[list[nn.Linear]]:
+    """The groups of linears of ``model`` that ``patch_model`` runs as one GEMM where
+    ``fusable``: every module's ``IN_PROJECTIONS`` group and every gated MLP's gate and up."""
+    groups = [[m.gate_proj, m.up_proj] for m in gated_mlps(model)]
+    for module in model.modules():
+        for names in IN_PROJECTIONS:
+            linears = [getattr(module, n, None) for n in names]
+            if all(isinstance(m, nn.Module) for m in linears):
+                groups.append(linears)
+                break
+    return [g for g in groups if fusable(g, meta)]
+
+
+def fused_storage(model: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
+    """For a loader, by ``id`` of each (meta) weight and bias of ``fusion_groups``: its place in
+    one empty tensor per group on ``device``. Read into those places, the fused linears share a
+    storage before ``patch_model`` runs, which then copies nothing (a copy would add a group's
+    bytes to the load's peak, and the freed originals stay resident in the CPU allocator)."""
+    places = {}
+    for group in fusion_groups(model, meta=True):
+        for name in ("weight", "bias"):
+            parts = [getattr(m, name) for m in group]
+            if parts[0] is None:
+                continue
+            whole = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                                dtype=parts[0].dtype, device=device)
+            places.update(zip(map(id, parts), whole.split([p.shape[0] for p in parts])))
+    return places
+
+
+def fuse_in_projections(module: nn.Module) -> FusedLinear | None:
+    """Give ``module`` (an attention or DeltaNet module) ``cp_in``, its first ``IN_PROJECTIONS``
+    group as one ``FusedLinear``; None when it has none of them."""
+    for names in IN_PROJECTIONS:
+        linears = [getattr(module, n, None) for n in names]
+        if all(isinstance(m, nn.Module) for m in linears):
+            module.cp_in = FusedLinear(linears)
+            return module.cp_in
+    return None
+
+
+def gated_mlps(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose forward is transformers' gated MLP over ``gate_proj`` and
+    ``up_proj`` (dense decoder MLPs and shared experts)."""
+    return [m for m in model.modules()
+            if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            and GATED_MLP_LINE in _source(type(m).forward)]
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):  # no source to read: left as it is
+        return ""
+
+
+def fuse_gate_up(mlp: nn.Module):
+    """Give a ``gated_mlps`` module ``cp_gate_up`` and return its forward over it (the caller
+    installs it and keeps the original, as for the attention forwards)."""
+    mlp.cp_gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = mlp.cp_gate_up(x)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    return forward
