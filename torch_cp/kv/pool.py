@@ -6,6 +6,8 @@ Each page holds ``page_size // P`` slots (see ``torch_cp.placement``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from torch_cp.placement import ContextParallel
@@ -55,11 +57,32 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
 
 def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
                    write_index: torch.Tensor) -> None:
-    """Write into ``cache`` [pages, 2, page, H, D] at flat slots ``page_id * page + slot``."""
+    """Write into ``cache`` [pages, 2, page, H, D] at flat slots ``page_id * page + slot``: on
+    CUDA with Triton one kernel (``write_kernel``), else torch indexing."""
+    writer = _kernel_writer() if cache.is_cuda else None
+    if writer is not None and _rows_dense(k_nhd) and _rows_dense(v_nhd):
+        writer(cache, k_nhd, v_nhd, write_index)
+        return
     page = cache.shape[2]
     page_ids, slots = write_index // page, write_index % page
     cache[page_ids, 0, slots] = k_nhd.to(cache.dtype)
     cache[page_ids, 1, slots] = v_nhd.to(cache.dtype)
+
+
+def _rows_dense(x_nhd: torch.Tensor) -> bool:
+    """Whether each token's [heads, dim] of ``x_nhd`` is one dense block (rows may be apart)."""
+    return x_nhd.stride(2) == 1 and x_nhd.stride(1) == x_nhd.shape[2]
+
+
+@functools.cache
+def _kernel_writer():
+    """``write_kernel.write_kv_rows`` where Triton is (a CUDA torch brings it), else None;
+    imported on first GPU use, so the CPU never imports Triton."""
+    try:
+        from torch_cp.kv.write_kernel import write_kv_rows
+    except ImportError:
+        return None
+    return write_kv_rows
 
 
 def write_layer(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
