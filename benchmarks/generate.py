@@ -37,12 +37,14 @@ first and 85 s for the dynamic-shape recompile on an H200).
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.metadata
 import inspect
 import time
 import traceback
 
 import torch
+import torch._inductor.config as inductor_config
 
 import torch_cp
 from benchmarks import models, peers
@@ -293,6 +295,21 @@ def fla_version() -> str | None:
     return None
 
 
+def inductor_settings(text: str) -> dict:
+    """'name=value,...' as a dict of Python values (``True``, ``3``, ``'max-autotune'``), each
+    name an existing ``torch._inductor.config`` setting."""
+    settings = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if not hasattr(inductor_config, name):
+            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
+        try:
+            settings[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[name] = value
+    return settings
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON results path")
@@ -305,7 +322,14 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", default=None,
                     help="MoE experts implementation of every system (default: torch_cp's, "
                          "torch_cp_fused in bf16 on CUDA; see benchmarks/models.build)")
+    ap.add_argument("--inductor", default="",
+                    help="Inductor settings for every compiled system, 'name=value,...' (e.g. "
+                         "'max_autotune=True,coordinate_descent_tuning=True'): torch_cp's layers "
+                         "and the peers' compiled forwards alike")
     args = ap.parse_args(argv)
+    inductor = inductor_settings(args.inductor)
+    for key, value in inductor.items():
+        setattr(inductor_config, key, value)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -313,6 +337,7 @@ def main(argv=None) -> int:
     results = Results(args.out, run_header(device))
     results.data["plan"] = args.plan
     results.data["experts"] = args.experts
+    results.data["inductor"] = inductor
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
     results.data["versions"]["flash-linear-attention"] = fla_version()
