@@ -11,10 +11,15 @@ projections, an MLP's gate and up) run as one GEMM over their weights concatenat
 The concatenated weight is the storage: each linear's weight (and bias) becomes a view of its
 rows, so the memory, the modules and their state-dict entries stay as they were, and weights
 copied in later (``load_state_dict``) reach the GEMM. The model is patched after it is moved and
-loaded, as ``patch_model`` asks: moved after, each part is copied apart (right, twice the bytes);
-parameters replaced after (``load_state_dict(assign=True)``) would not reach the fused weight.
+loaded, as ``patch_model`` asks; moved or cast after, the linears become views of the converted
+fused weight again (``FusedLinear._apply``); parameters replaced after
+(``load_state_dict(assign=True)``) would not reach the fused weight.
 ``unpatch_model`` gives each linear its own storage back. Linears that are not plain
 ``nn.Linear`` of one dtype and device, or that carry hooks, run one by one.
+
+For inference: the GEMM reads the fused weight, so no gradient reaches the linears' weights. A
+state dict of a patched model holds views of one storage: ``save_pretrained`` saves it (it
+clones shared tensors), ``safetensors.torch.save_file`` refuses it; unpatch first.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ def fusable(linears: Sequence[nn.Module], meta: bool = False) -> bool:
         and (meta or m.weight.device.type != "meta")
         and m.in_features == linears[0].in_features
         and (m.bias is None) == (linears[0].bias is None)
+        and (m.bias is None or (type(m.bias) is nn.Parameter and m.bias.is_contiguous()
+                                and m.bias.dtype == first.dtype
+                                and m.bias.device == first.device))
         and not (m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"))
         for m in linears)
 
@@ -77,6 +85,18 @@ class FusedLinear(nn.Module):
             return tuple(m(x) for m in self.linears)
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
+    def _apply(self, fn, recurse=True):
+        """``model.to`` / ``.cuda()`` / ``.half()`` after patching: each part was converted apart
+        (the linears are this module's siblings, converted before it); the linears become views
+        of the converted fused weight again, so they keep sharing one storage."""
+        super()._apply(fn, recurse)
+        if self.fused:
+            for name in ("weight", "bias"):
+                whole = getattr(self, name)
+                if whole is not None:
+                    _rebind(self.linears, name, whole)
+        return self
+
     def unfuse(self) -> None:
         """Give each linear its own storage again (``unpatch_model``: safetensors will not save
         views of one storage)."""
@@ -85,8 +105,9 @@ class FusedLinear(nn.Module):
                 for name in ("weight", "bias"):
                     p = getattr(m, name)
                     if p is not None:
-                        setattr(m, name, nn.Parameter(p.detach().clone(),
-                                                      requires_grad=p.requires_grad))
+                        new = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                        new.__dict__.update(p.__dict__)
+                        setattr(m, name, new)
 
 
 def _concatenate(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:
@@ -97,9 +118,20 @@ def _concatenate(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:
     if whole is not None:
         return whole
     whole = torch.cat([p.detach() for p in parts])
-    for m, p, view in zip(linears, parts, whole.split([p.shape[0] for p in parts])):
-        setattr(m, name, nn.Parameter(view, requires_grad=p.requires_grad))
+    _rebind(linears, name, whole)
     return whole
+
+
+def _rebind(linears: Sequence[nn.Linear], name: str, whole: torch.Tensor) -> None:
+    """Each linear's ``name`` parameter becomes its rows of ``whole``, keeping the parameter's
+    attributes (``requires_grad``, the TP shard record)."""
+    offset = 0
+    for m in linears:
+        old = getattr(m, name)
+        new = nn.Parameter(whole[offset:offset + old.shape[0]], requires_grad=old.requires_grad)
+        new.__dict__.update(old.__dict__)
+        setattr(m, name, new)
+        offset += old.shape[0]
 
 
 def _consecutive(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -2,10 +2,12 @@
 reference backend's greedy tokens, starting from transformers' experts loop, which no graph can
 hold: the engine switches the experts before its capture and says so once.
 
-The reference runs the experts implementation the engine switches to (uncaptured, torch
-attention), so a split measures torch_cp's step (attention, graphs, compile), not another
+In bf16 the reference runs the experts implementation the engine switches to (uncaptured,
+torch attention), so a split measures torch_cp's step (attention, graphs, compile), not another
 experts kernel's bf16 rounding amplified by these tiny random models; each implementation's own
-exactness is measured apart (tests/graphs/test_fused_experts.py, benchmarks/experts.py)."""
+exactness is measured apart (tests/graphs/test_fused_experts.py, benchmarks/experts.py). In fp32,
+where rounding cannot move a token, the reference runs transformers' experts loop: the switched
+experts end to end against the loop."""
 
 from __future__ import annotations
 
@@ -25,17 +27,18 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("backend,dtype,implementation", [
-    ("flashinfer", torch.bfloat16, "torch_cp_fused"),
-    ("torch", torch.float32, "torch_cp_fused"),  # prefill: batched_mm (grouped_mm copies from
-                                                 # the host in fp32)
+@pytest.mark.parametrize("backend,dtype,implementation,reference_experts", [
+    ("flashinfer", torch.bfloat16, "torch_cp_fused", "torch_cp_fused"),
+    # prefill: batched_mm (grouped_mm copies from the host in fp32)
+    ("torch", torch.float32, "torch_cp_fused", "eager"),
 ])
 @pytest.mark.parametrize("name", list(MOE_MODELS))
 def test_moe_captured_and_compiled_gives_the_reference_tokens(name, backend, dtype,
-                                                              implementation, caplog):
+                                                              implementation, reference_experts,
+                                                              caplog):
     build = MOE_MODELS[name]
     reference = torch_cp.patch_model(build(dtype).cuda(), backend="torch")
-    reference.set_experts_implementation(implementation)
+    reference.set_experts_implementation(reference_experts)
     expected = tokens(torch_cp.generate(reference, prompts(), NEW_TOKENS, progress=False))
     model = torch_cp.patch_model(build(dtype).cuda(), backend=backend)
     model.set_experts_implementation("eager")  # the loop a capture fails on
@@ -50,6 +53,6 @@ def test_moe_captured_and_compiled_gives_the_reference_tokens(name, backend, dty
     assert sum("switched to" in r.getMessage() for r in caplog.records) == 1
     assert engine.replayed_steps >= NEW_TOKENS - 2 and again.replayed_steps >= NEW_TOKENS - 2
     unpatched = build(dtype).cuda()
-    unpatched.set_experts_implementation(implementation)
+    unpatched.set_experts_implementation(reference_experts)
     assert_equal_but_near_ties(unpatched, expected, got)
     assert_equal_but_near_ties(unpatched, expected, plain)

@@ -58,8 +58,8 @@ class _hooked:
 def _flipped_logits(model, ids, ties) -> torch.Tensor | None:
     """The last position's logits with near-ties of ``_ties`` decided the other way: at each, the
     hidden state the gate reads nudged along (w_b - w_a), just enough that the gate picks expert
-    b over a, everything else as computed. None when a tie cannot be flipped (an earlier flip
-    moved it away)."""
+    b over a, everything else as computed. None when a tie is no longer a near-tie where it is
+    flipped (an earlier flip moved it away): only near-ties are decided the other way."""
 
     class Unflippable(Exception):
         pass
@@ -71,6 +71,9 @@ def _flipped_logits(model, ids, ties) -> torch.Tensor | None:
                 return None
             h = args[0].reshape(-1, gate.weight.shape[-1])
             for _, p, a, b in mine:
+                scores = choice_scores(gate, h[p:p + 1])[0]
+                if not near_tie(abs(scores[a] - scores[b]).item(), scores.abs().max().item()):
+                    raise Unflippable
                 direction = (gate.weight[b] - gate.weight[a]).to(h.dtype)
                 for step in range(1, 40):
                     row = gate.forward(h[p:p + 1] + 2.0 ** (step - 30) * direction)
@@ -103,7 +106,8 @@ def router_flip_explains(model, ids: torch.Tensor, token: int, most: int = 2) ->
     for n in range(1, most + 1):
         for chosen in itertools.combinations(ties, n):
             logits = _flipped_logits(model, ids, chosen)
-            if logits is None:
+            if logits is None:  # one near-tie alone always flips; a pair may not stay one
+                assert n > 1, f"could not decide the near-tie {chosen} the other way"
                 continue
             best = logits.max().item()
             if near_tie(best - logits[token].item(), abs(best)):

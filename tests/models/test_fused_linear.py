@@ -131,3 +131,27 @@ def test_from_pretrained_reads_fused_linears_into_one_storage_and_patching_copie
         assert fused.fused
         base = fused.weight.untyped_storage().data_ptr()
         assert all(m.weight.untyped_storage().data_ptr() == base for m in mods)
+
+
+def test_cast_after_patching_the_linears_still_share_the_fused_weight():
+    """``model.to`` after patching converts each part apart; the linears become views of the
+    converted fused weight again, so weights copied in later still reach the GEMM."""
+    model = tiny_model("qwen3")
+    torch_cp.patch_model(model)
+    model.to(torch.float64)
+    attn = model.model.layers[0].self_attn
+    assert attn.cp_in.weight.dtype == attn.q_proj.weight.dtype == torch.float64
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == \
+        attn.cp_in.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight.zero_()
+    x = torch.randn(2, model.config.hidden_size, dtype=torch.float64)
+    assert torch.equal(attn.cp_in(x)[1], torch.zeros(2, attn.k_proj.out_features,
+                                                     dtype=torch.float64))
+
+
+def test_fused_parameters_keep_their_attributes():
+    mods = linears(False)
+    mods[1].weight.tp_shard = "record"
+    FusedLinear(mods)
+    assert mods[1].weight.tp_shard == "record" and not hasattr(mods[0].weight, "tp_shard")

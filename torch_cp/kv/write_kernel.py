@@ -9,6 +9,8 @@ head-major block each) to their slot, the page and slot computed from the flat i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +35,16 @@ def write_kv_rows(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
     token's [H, D] dense) at flat slots ``write_index`` [N] (``page_id * page + slot``)."""
     # Cast by torch (a no-op in the model's dtype), so the pool holds what indexing would write.
     k_nhd, v_nhd = k_nhd.to(cache.dtype), v_nhd.to(cache.dtype)
-    assert cache.is_contiguous()
+    assert cache.is_contiguous() and write_index.is_contiguous()
+    assert write_index.shape[0] == k_nhd.shape[0] == v_nhd.shape[0]
     assert all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k_nhd, v_nhd))
     tokens = write_index.shape[0]
     if tokens == 0:
         return
     page, row = cache.shape[2], cache.shape[3] * cache.shape[4]
     block = min(triton.next_power_of_2(row), 4096)
-    _write_kv[(tokens, triton.cdiv(row, block))](
-        k_nhd, v_nhd, cache, write_index, k_nhd.stride(0), v_nhd.stride(0), row, page,
-        cache.stride(0), BLOCK=block)
+    # Triton launches on the current device, which need not be the pool's.
+    with torch.cuda.device(cache.device) if cache.is_cuda else contextlib.nullcontext():
+        _write_kv[(tokens, triton.cdiv(row, block))](
+            k_nhd, v_nhd, cache, write_index, k_nhd.stride(0), v_nhd.stride(0), row, page,
+            cache.stride(0), BLOCK=block)

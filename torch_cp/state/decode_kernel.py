@@ -16,6 +16,8 @@ write the sink slot; nothing reads it).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -69,10 +71,12 @@ def decode_step_in_place(q_bhk: torch.Tensor, k_bhk: torch.Tensor, v_bhv: torch.
     g_bh, beta_bh = g_bh.contiguous(), beta_bh.contiguous()
     out = torch.empty_like(v_bhv, memory_format=torch.contiguous_format)
     grid = (rows, v_heads, triton.cdiv(dv, BLOCK_V))
-    _decode_step[grid](
-        q_bhk, k_bhk, v_bhv, g_bh, beta_bh, states, slots_b, fresh_b.to(torch.int8), out,
-        states.shape[0] - 1, dk ** -0.5, q_bhk.stride(0), q_bhk.stride(1), k_bhk.stride(0),
-        k_bhk.stride(1), v_bhv.stride(0), v_bhv.stride(1), g_bh.stride(0), beta_bh.stride(0),
-        states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1),
-        GROUP=v_heads // k_heads, DK=dk, DV=dv, BV=BLOCK_V)
+    # Triton launches on the current device, which need not be the pool's.
+    with torch.cuda.device(states.device) if states.is_cuda else contextlib.nullcontext():
+        _decode_step[grid](
+            q_bhk, k_bhk, v_bhv, g_bh, beta_bh, states, slots_b, fresh_b.to(torch.int8), out,
+            states.shape[0] - 1, dk ** -0.5, q_bhk.stride(0), q_bhk.stride(1), k_bhk.stride(0),
+            k_bhk.stride(1), v_bhv.stride(0), v_bhv.stride(1), g_bh.stride(0),
+            beta_bh.stride(0), states.stride(0), states.stride(1), states.stride(2),
+            out.stride(0), out.stride(1), GROUP=v_heads // k_heads, DK=dk, DV=dv, BV=BLOCK_V)
     return out
