@@ -83,7 +83,8 @@ def _largest_buffer(code: str) -> int:
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_compiled_step_writes_the_pool_in_place(family):
     """The pool is written in place: no buffer of a pool layer's size in the compiled step (traced
-    as plain indexing, functionalization rebuilt each layer and the whole pool every layer)."""
+    as plain indexing, functionalization rebuilt each layer and the whole pool every layer); and a
+    Qwen3 decode step runs four weight GEMMs a layer, the fused ones included."""
     model = (torch_cp.tiny_qwen3() if family == "qwen3"
              else tiny_mla_model(tiny_mla_config(family)))
     torch_cp.patch_model(model, page_size=PAGE)
@@ -96,6 +97,9 @@ def test_compiled_step_writes_the_pool_in_place(family):
     torch.testing.assert_close(out, eager, **TOL)  # the compiled write landed where eager's did
     layer = min(t[0].numel() for t in cache.pool.tensors)
     assert _largest_buffer("\n".join(code)) < layer
+    if family == "qwen3":  # q/k/v and gate/up each one GEMM (fused_linear.py): 4 a layer
+        gemms = len(re.findall(r"extern_kernels\.mm\(", "\n".join(code)))
+        assert gemms == 4 * model.config.num_hidden_layers + 1, gemms  # + the LM head
 
 
 LAYERS = 12
