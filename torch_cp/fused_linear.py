@@ -24,6 +24,7 @@ clones shared tensors), ``safetensors.torch.save_file`` refuses it; unpatch firs
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 
@@ -105,9 +106,7 @@ class FusedLinear(nn.Module):
                 for name in ("weight", "bias"):
                     p = getattr(m, name)
                     if p is not None:
-                        new = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-                        new.__dict__.update(p.__dict__)
-                        setattr(m, name, new)
+                        setattr(m, name, _parameter_like(p, p.detach().clone()))
 
 
 def _concatenate(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:
@@ -128,10 +127,15 @@ def _rebind(linears: Sequence[nn.Linear], name: str, whole: torch.Tensor) -> Non
     offset = 0
     for m in linears:
         old = getattr(m, name)
-        new = nn.Parameter(whole[offset:offset + old.shape[0]], requires_grad=old.requires_grad)
-        new.__dict__.update(old.__dict__)
-        setattr(m, name, new)
+        setattr(m, name, _parameter_like(old, whole[offset:offset + old.shape[0]]))
         offset += old.shape[0]
+
+
+def _parameter_like(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter over ``data`` with ``old``'s ``requires_grad`` and attributes."""
+    new = nn.Parameter(data, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new
 
 
 def _consecutive(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -150,12 +154,7 @@ def fusion_groups(model: nn.Module, meta: bool = False) -> list[list[nn.Linear]]
     """The groups of linears of ``model`` that ``patch_model`` runs as one GEMM where
     ``fusable``: every module's ``IN_PROJECTIONS`` group and every gated MLP's gate and up."""
     groups = [[m.gate_proj, m.up_proj] for m in gated_mlps(model)]
-    for module in model.modules():
-        for names in IN_PROJECTIONS:
-            linears = [getattr(module, n, None) for n in names]
-            if all(isinstance(m, nn.Module) for m in linears):
-                groups.append(linears)
-                break
+    groups += filter(None, map(_in_projections, model.modules()))
     return [g for g in groups if fusable(g, meta)]
 
 
@@ -179,11 +178,19 @@ def fused_storage(model: nn.Module, device: torch.device) -> dict[int, torch.Ten
 def fuse_in_projections(module: nn.Module) -> FusedLinear | None:
     """Give ``module`` (an attention or DeltaNet module) ``cp_in``, its first ``IN_PROJECTIONS``
     group as one ``FusedLinear``; None when it has none of them."""
+    linears = _in_projections(module)
+    if linears is None:
+        return None
+    module.cp_in = FusedLinear(linears)
+    return module.cp_in
+
+
+def _in_projections(module: nn.Module) -> list[nn.Module] | None:
+    """The linears of ``module``'s first ``IN_PROJECTIONS`` group it has, else None."""
     for names in IN_PROJECTIONS:
         linears = [getattr(module, n, None) for n in names]
         if all(isinstance(m, nn.Module) for m in linears):
-            module.cp_in = FusedLinear(linears)
-            return module.cp_in
+            return linears
     return None
 
 
@@ -192,14 +199,16 @@ def gated_mlps(model: nn.Module) -> list[nn.Module]:
     ``up_proj`` (dense decoder MLPs and shared experts)."""
     return [m for m in model.modules()
             if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            and GATED_MLP_LINE in _source(type(m).forward)]
+            and _gated_forward(type(m))]
 
 
-def _source(fn) -> str:
+@functools.cache
+def _gated_forward(cls: type) -> bool:
+    """Whether ``cls.forward`` is transformers' gated MLP (its source read once per class)."""
     try:
-        return inspect.getsource(fn)
+        return GATED_MLP_LINE in inspect.getsource(cls.forward)
     except (OSError, TypeError):  # no source to read: left as it is
-        return ""
+        return False
 
 
 def fuse_gate_up(mlp: nn.Module):

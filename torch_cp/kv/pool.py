@@ -60,7 +60,7 @@ def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor
     """Write into ``cache`` [pages, 2, page, H, D] at flat slots ``page_id * page + slot``: on
     CUDA with Triton one kernel (``write_kernel``), else torch indexing."""
     writer = _kernel_writer() if cache.is_cuda else None
-    if writer is not None and _rows_dense(k_nhd) and _rows_dense(v_nhd):
+    if writer is not None and rows_dense(k_nhd) and rows_dense(v_nhd):
         writer(cache, k_nhd, v_nhd, write_index)
         return
     page = cache.shape[2]
@@ -69,7 +69,7 @@ def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor
     cache[page_ids, 1, slots] = v_nhd.to(cache.dtype)
 
 
-def _rows_dense(x_nhd: torch.Tensor) -> bool:
+def rows_dense(x_nhd: torch.Tensor) -> bool:
     """Whether each token's [heads, dim] of ``x_nhd`` is one dense block (rows may be apart)."""
     return x_nhd.stride(2) == 1 and x_nhd.stride(1) == x_nhd.shape[2]
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_cp.kv.pool import rows_dense
+
 
 @triton.jit
 def _write_kv(k_ptr, v_ptr, cache_ptr, index_ptr, k_stride, v_stride, row, page, page_stride,
@@ -37,7 +39,7 @@ def write_kv_rows(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
     k_nhd, v_nhd = k_nhd.to(cache.dtype), v_nhd.to(cache.dtype)
     assert cache.is_contiguous() and write_index.is_contiguous()
     assert write_index.shape[0] == k_nhd.shape[0] == v_nhd.shape[0]
-    assert all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k_nhd, v_nhd))
+    assert rows_dense(k_nhd) and rows_dense(v_nhd)
     tokens = write_index.shape[0]
     if tokens == 0:
         return
