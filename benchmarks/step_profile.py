@@ -21,7 +21,7 @@ import torch
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import kernel_times, run_header, time_ms
+from benchmarks.common import kernel_times, run_header, sync, time_ms
 
 PAGE = 16
 
@@ -83,7 +83,8 @@ def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], f
     return rows[:top], total, calls
 
 
-def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48) -> dict:
+def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48,
+                trace: str | None = None) -> dict:
     """``engine.run`` with ``overlap_planning`` under torch.profiler: per decode step, the GPU's
     idle time (no kernel or copy running) and the host's CUDA runtime calls (ms per step; a
     ``cudaEventSynchronize`` is the host waiting for a step's tokens, a
@@ -97,32 +98,47 @@ def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48) 
     engine.overlap_planning = True
     prompts = [[1] * (context - new_tokens)] * batch  # the pool holds `context` tokens a row
     engine.run(prompts, 8, eos_token_ids=())
+    walls = []
+    for tokens in (8, new_tokens):  # unprofiled: the decode step of engine.run, by difference
+        sync(device)
+        start = time.perf_counter()
+        engine.run(prompts, tokens, eos_token_ids=())
+        walls.append(time.perf_counter() - start)
+    run_step_ms = (walls[1] - walls[0]) * 1e3 / (new_tokens - 8)
     steps_before, ahead_before = engine.steps, engine.launched_ahead_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         results = engine.run(prompts, new_tokens, eos_token_ids=())
         torch.cuda.synchronize(device)
     assert all(r.ok for r in results), [r.error for r in results]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA)
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels_on_gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                            if e.device_type == DeviceType.CUDA)
+    spans = [(start, end) for start, end, _ in kernels_on_gpu]
     # The decode steps: the last 3/4 of the GPU's activity (the prefill comes first).
     first, last = spans[0][0], max(end for _, end in spans)
     window = first + (last - first) // 4
-    idle, cursor, gaps = 0, window, []
-    for start, end in spans:
+    idle, cursor, gaps, named = 0, window, [], []
+    before = ""
+    for start, end, name in kernels_on_gpu:
         if end <= window:
             continue
         if start > cursor:
             idle += start - cursor
             gaps.append(start - cursor)
+            named.append((round(start - cursor, 1), before[:60], name[:60]))
         cursor = max(cursor, end)
+        before = name
     decode_steps = (new_tokens - 1) * 3 / 4
     steps = engine.steps - steps_before
     waits = {e.key: round(e.cpu_time_total / 1e3 / steps, 4) for e in prof.key_averages()
              if e.key.startswith("cuda") and e.cpu_time_total / 1e3 / steps > 0.02}
-    return dict(new_tokens=new_tokens, launched_ahead=engine.launched_ahead_steps - ahead_before,
+    return dict(new_tokens=new_tokens, run_step_ms=run_step_ms,
+                launched_ahead=engine.launched_ahead_steps - ahead_before,
                 gpu_idle_us_per_step=idle / decode_steps,
                 gaps_over_50us_per_step=sum(g > 50 for g in gaps) / decode_steps,
-                largest_gaps_us=sorted(gaps)[-5:], host_waits_ms_per_step=waits)
+                largest_gaps_us=sorted(gaps)[-5:], host_waits_ms_per_step=waits,
+                largest_gaps_between=sorted(named)[-12:])
 
 
 @torch.inference_mode()
@@ -134,6 +150,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out")
+    p.add_argument("--trace", help="write the engine run's chrome trace here")
     args = p.parse_args()
     device = torch.device("cuda")
     model = models.build(args.model, device, torch.bfloat16)
@@ -158,7 +175,7 @@ def main() -> None:
     top, kernel_ms, calls = kernels(graph, device)
     step_ms = sum(host[k] for k in ("prepare", "launch", "wait", "token"))
     try:  # the measures above stand on their own
-        gaps = engine_gaps(engine, device, args.batch, args.context)
+        gaps = engine_gaps(engine, device, args.batch, args.context, trace=args.trace)
     except Exception as error:  # noqa: BLE001
         gaps = dict(error=repr(error))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
