@@ -48,6 +48,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo(request):
+    """Every GPU test starts with Dynamo's caches empty, as a process serving one model does:
+    the tiny models' decoder layers share one code object (transformers'
+    ``GradientCheckpointingLayer.__call__`` path), and the graphs of every model compiled before
+    count toward its recompile limit (run 58: the 120th GPU test hit it)."""
+    if "gpu" in request.keywords:
+        torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_rank_world(tmp_path_factory):
     """A one-rank gloo process group for the module (or the one already there): what
