@@ -16,6 +16,7 @@ What can be captured, how exact and how fast each is: ``benchmarks/experts.py`` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,6 +48,19 @@ def register_fused(device: torch.device) -> bool:
     except ImportError:  # no Triton
         return False
     return True
+
+
+def kernel_routers(model: nn.Module, device: torch.device) -> list[tuple[nn.Module, Callable]]:
+    """The MoE routers of ``model`` that torch_cp's router kernel computes
+    (graphs/fused_router.py), each with its forward through the kernel; none off CUDA or
+    without Triton (the CPU keeps transformers' routers)."""
+    if device.type != "cuda":
+        return []
+    try:
+        from torch_cp.graphs import fused_router
+    except ImportError:  # no Triton
+        return []
+    return [(r, fused_router.fused_forward(r)) for r in fused_router.routers(model)]
 
 
 def available(name: str, device: torch.device) -> bool:

@@ -13,7 +13,7 @@ from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
 from torch_cp.fused_linear import FusedLinear, fuse_gate_up, fuse_in_projections, gated_mlps
-from torch_cp.graphs.experts import experts_modules, register_fused
+from torch_cp.graphs.experts import experts_modules, kernel_routers, register_fused
 from torch_cp.hf import model_generate
 from torch_cp.hf.forward import patched_forward, patched_linear_forward
 from torch_cp.hf.validate import PatchSettings, validate_patch
@@ -72,7 +72,8 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
         ``cp_attention``. Its forward then needs ``past_key_values=PagedKVCache(...)`` with a
         step plan (``model.generate`` makes one itself, see ``torch_cp.hf.model_generate``).
         Linears that read one input (q/k/v, gate/up) run as one GEMM, their weights views of one
-        storage (``torch_cp.fused_linear``): move and load the model before patching it.
+        storage (``torch_cp.fused_linear``): move and load the model before patching it. On
+        CUDA, MoE routers pick their experts in one kernel (``graphs/fused_router.py``).
     Raises:
         ValueError naming every problem, before anything is allocated or modified; also when
         the model is already patched.
@@ -117,6 +118,9 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
         mlp.forward = fuse_gate_up(mlp)
     if experts_modules(model):
         register_fused(s.device)  # so "torch_cp_fused" can be set by name
+    for router, forward in kernel_routers(model, s.device):
+        runtime.originals.append((router, router.__dict__.get("forward", _ABSENT)))
+        router.forward = forward
     model.torch_cp = runtime
     model_generate.install_generate(model)
     return model

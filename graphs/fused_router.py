@@ -1,0 +1,195 @@
+"""MoE routers in one kernel: after the router GEMM, the choice of each token's experts.
+
+transformers' routers run the choice as separate ops after their GEMM: a softmax, ``torch.topk``
+(two kernels on CUDA, a radix select and a sort of the k chosen) and the normalisation for Qwen's
+routers; a sigmoid, a bias, two or three ``topk``, a scatter, a mask, a gather and the
+normalisation for DeepSeek's and GLM's. At one token they are latency-bound: 0.55 ms of a
+Qwen3-30B-A3B decode step of 4.2 ms (run 59, BENCHMARKS.md). Here one program per token keeps
+its router logits in registers and picks its experts by k rounds of max; same values, one
+kernel.
+
+Two router kinds, recognised by their forward's source (``kind_of``); any other router, or one
+whose forward differs, keeps its own:
+- ``"softmax"`` (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): softmax in float32, the top k of it in
+  descending order, optionally divided by their sum, cast to the logits' dtype.
+- ``"sigmoid"`` (DeepSeek-V3, GLM-4.5-4.7, GLM-4.7-Flash): sigmoid, plus the score-correction
+  bias for the choice, ``topk_group`` of ``n_group`` groups by the sum of each group's best two,
+  the top k of those groups' experts (in descending order of choice, where transformers leaves
+  the order unspecified), weighted by the sigmoid without the bias, optionally divided by their
+  sum (+ 1e-20), times ``routed_scaling_factor``; float32.
+
+Equal values are broken toward the lower expert id.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from torch.nn import functional as F
+
+# Fragments of transformers' router forwards (whitespace removed) that say what they compute.
+SOFTMAX_LINES = ("softmax(router_logits,dtype=torch.float,dim=-1)",
+                 "torch.topk(router_probs,self.top_k,dim=-1)",
+                 "router_top_value=router_top_value.to(router_logits.dtype)")
+SOFTMAX_NORM = "router_top_value/=router_top_value.sum(dim=-1,keepdim=True)"
+SIGMOID_LINES = ("F.linear(hidden_states.type(torch.float32),self.weight.type(torch.float32))",
+                 "scores=router_logits.sigmoid()",
+                 "scores_for_choice=scores+self.e_score_correction_bias",
+                 ".topk(2,dim=-1)[0].sum(dim=-1)",
+                 "torch.topk(scores_for_choice,k=self.top_k,dim=-1,sorted=False)[1]",
+                 "topk_weights=scores.gather(1,topk_indices)",
+                 "denominator=topk_weights.sum(dim=-1,keepdim=True)+1e-20",
+                 "topk_weights=topk_weights*self.routed_scaling_factor")
+CONDITIONAL_NORM = "ifself.norm_topk_prob:"
+
+
+@triton.jit
+def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logits_st, scale,
+           SIGMOID: tl.constexpr, NORM: tl.constexpr,
+           GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS_PAD: tl.constexpr,
+           GROUP_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    g = tl.arange(0, GROUPS_PAD)[:, None]
+    j = tl.arange(0, GROUP_PAD)[None, :]
+    valid = (g < GROUPS) & (j < group_size)
+    e = g * group_size + j  # [GROUPS_PAD, GROUP_PAD] expert ids
+    none = e * 0 + experts  # larger than every id: the "no such expert" of a min
+    x = tl.load(logits_ptr + token * logits_st + e, mask=valid, other=0.0).to(tl.float32)
+    if SIGMOID:
+        score = 1.0 / (1.0 + tl.exp(-x))
+        choice = score + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, float("-inf"))
+        if GROUPS > 1:  # each group's best two, summed; keep the best TOPK_GROUP groups
+            best = tl.max(choice, axis=1)
+            first = tl.min(tl.where(choice == best[:, None], e, none), axis=1)
+            second = tl.max(tl.where(e == first[:, None], float("-inf"), choice), axis=1)
+            group_score = tl.where(tl.arange(0, GROUPS_PAD) < GROUPS, best + second,
+                                   float("-inf"))
+            kept = tl.zeros([GROUPS_PAD], dtype=tl.int1)
+            groups = tl.arange(0, GROUPS_PAD)
+            for _ in tl.static_range(TOPK_GROUP):
+                top = tl.max(group_score, axis=0)
+                pick = tl.min(tl.where(group_score == top, groups, GROUPS_PAD), axis=0)
+                kept = kept | (groups == pick)
+                group_score = tl.where(groups == pick, float("-inf"), group_score)
+            choice = tl.where(kept[:, None], choice, float("-inf"))
+    else:
+        x = tl.where(valid, x, float("-inf"))
+        exp = tl.exp(x - tl.max(tl.max(x, axis=1), axis=0))
+        score = exp / tl.sum(tl.sum(exp, axis=1), axis=0)
+        choice = tl.where(valid, score, float("-inf"))
+    k = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        top = tl.max(tl.max(choice, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(choice == top, e, none), axis=1), axis=0)
+        picked = e == pick
+        ids = tl.where(k == i, pick.to(tl.int64), ids)
+        weights = tl.where(k == i, tl.sum(tl.sum(tl.where(picked, score, 0.0), axis=1), axis=0),
+                           weights)
+        choice = tl.where(picked, float("-inf"), choice)
+    if NORM:
+        total = tl.sum(weights, axis=0)
+        if SIGMOID:
+            total = total + 1e-20
+        weights = weights / total
+    if SIGMOID:
+        weights = weights * scale
+    out = token * TOP_K + k
+    tl.store(ids_ptr + out, ids, mask=k < TOP_K)
+    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
+
+
+def _squeezed(source: str) -> str:
+    return re.sub(r"\s+", "", source)
+
+
+@functools.cache
+def _kind_of_class(cls: type) -> str | None:
+    try:
+        source = _squeezed(inspect.getsource(cls.forward))
+    except (OSError, TypeError):  # no source to read: left as it is
+        return None
+    if all(line in source for line in SOFTMAX_LINES):
+        return "softmax"
+    if all(line in source for line in SIGMOID_LINES):
+        return "sigmoid"
+    return None
+
+
+def kind_of(router: nn.Module) -> str | None:
+    """``"softmax"`` or ``"sigmoid"`` when ``router``'s forward is one of the router kinds the
+    kernel computes (see the module's docstring), else None."""
+    kind = _kind_of_class(type(router))
+    if kind is None:
+        return None
+    experts, top_k = router.num_experts, router.top_k
+    if kind == "sigmoid":  # shapes transformers' own forward computes
+        groups, kept = router.num_group, router.topk_group
+        if experts % groups or experts // groups < 2 or not 0 < kept <= groups \
+                or top_k > kept * (experts // groups):
+            return None
+    return kind if 0 < top_k <= experts else None
+
+
+def _normalises(router: nn.Module) -> bool:
+    source = _squeezed(inspect.getsource(type(router).forward))
+    if CONDITIONAL_NORM in source:
+        return bool(router.norm_topk_prob)
+    return _kind_of_class(type(router)) == "sigmoid" or SOFTMAX_NORM in source
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of ``model``'s MoE blocks (``gate`` beside ``experts``) the kernel computes."""
+    return [m.gate for m in model.modules()
+            if isinstance(getattr(m, "experts", None), nn.Module)
+            and isinstance(getattr(m, "gate", None), nn.Module) and kind_of(m.gate)]
+
+
+def route(router: nn.Module, logits_te: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k] int64) of ``router`` for its logits ``logits_te``
+    [T, E], as its own forward computes them from these logits."""
+    kind = kind_of(router)
+    assert kind is not None, type(router).__name__
+    tokens, experts = logits_te.shape
+    top_k = router.top_k
+    sigmoid = kind == "sigmoid"
+    groups = router.num_group if sigmoid else 1
+    topk_group = router.topk_group if sigmoid else 1
+    logits_te = logits_te if logits_te.stride(-1) == 1 else logits_te.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32 if sigmoid else logits_te.dtype,
+                          device=logits_te.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits_te.device)
+    bias = router.e_score_correction_bias if sigmoid else logits_te
+    if tokens:
+        _route[(tokens,)](
+            logits_te, bias, weights, ids, experts, experts // groups, logits_te.stride(0),
+            float(router.routed_scaling_factor) if sigmoid else 1.0,
+            SIGMOID=sigmoid, NORM=_normalises(router), GROUPS=groups,
+            TOPK_GROUP=topk_group, GROUPS_PAD=triton.next_power_of_2(groups),
+            GROUP_PAD=triton.next_power_of_2(experts // groups), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k))
+    return weights, ids
+
+
+def fused_forward(router: nn.Module):
+    """A forward for ``router`` (one ``routers`` gave) with its own signature and results,
+    (logits, weights, ids): its GEMM as it runs it, then ``route``. The caller installs it and
+    keeps the original, as for the attention forwards."""
+    sigmoid = kind_of(router) == "sigmoid"
+
+    def forward(hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, router.hidden_dim)
+        logits = (F.linear(x.float(), router.weight.float()) if sigmoid
+                  else F.linear(x, router.weight))
+        weights, ids = route(router, logits)
+        return logits, weights, ids
+
+    return forward

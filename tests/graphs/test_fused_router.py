@@ -1,0 +1,164 @@
+"""torch_cp's router kernel (graphs/fused_router.py) against transformers' own router forwards,
+for every MoE family's router. Without CUDA the kernel runs in Triton's interpreter
+(tests/conftest.py).
+
+- Every family's router is recognised with its kind; a router whose forward differs is not.
+- The same experts as the router's own forward, for fp32 and bf16 logits, with the score bias
+  set, with groups (DeepSeek's ``n_group`` / ``topk_group``), without the normalisation and with
+  a scaling factor: the softmax kind in its order, the sigmoid kind as a set (transformers
+  leaves that order unspecified).
+- Weights: fp32 within 2 ulps (a softmax or sum over the same values in another order); the
+  softmax kind's bf16 weights within one bf16 ulp (2**-7 relative) of its own: compiled, Triton
+  rounds to nearest like torch, and fp32 values 2 ulps apart rarely round apart; Triton's
+  interpreter truncates instead, so on the CPU about one weight in five is one ulp below.
+- Patched on CUDA (here the CPU forced through the same path), a tiny Qwen3-MoE routes through
+  the kernel, generates the unpatched model's tokens, and unpatching restores the router.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_models import HYBRID_MODELS, MOE_MODELS
+from transformers import DeepseekV3Config
+
+import torch_cp
+
+pytest.importorskip("triton", reason="the kernel is Triton (CPU: its interpreter)")
+from torch_cp.graphs import experts as experts_module  # noqa: E402
+from torch_cp.graphs import fused_router as fr  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAMILIES = {**MOE_MODELS, **{k: v for k, v in HYBRID_MODELS.items() if "moe" in k or "next" in k}}
+KINDS = {"qwen3_moe": "softmax", "glm4_moe": "sigmoid", "glm4_moe_lite": "sigmoid",
+         "deepseek_v3": "sigmoid", "qwen3_5_moe_text": "softmax", "qwen3_next": "softmax"}
+
+
+def grouped_deepseek():
+    """16 experts in 4 groups, the best 2 groups kept, top 4, no normalisation, scaled."""
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                              moe_intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                              v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2, norm_topk_prob=False,
+                              routed_scaling_factor=2.5, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
+def router_of(model):
+    routers = fr.routers(model)
+    assert routers, "the model's routers are recognised"
+    return routers[0]
+
+
+def compare(router, tokens: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if hasattr(router, "e_score_correction_bias"):
+        router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) / 4)
+    x = torch.randn(tokens, router.hidden_dim, generator=g).to(DEVICE, dtype)
+    with torch.no_grad():
+        want_logits, want_w, want_ids = router(x)
+        logits, w, ids = fr.fused_forward(router)(x)
+    torch.testing.assert_close(logits, want_logits, atol=0, rtol=0)
+    assert w.dtype == want_w.dtype and ids.dtype == want_ids.dtype == torch.int64
+    if fr.kind_of(router) == "sigmoid":  # a set: order both by id
+        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+        ids, w = ids.gather(1, order), w.gather(1, order)
+        want_ids, want_w = want_ids.gather(1, want_order), want_w.gather(1, want_order)
+    assert torch.equal(ids, want_ids)
+    if w.dtype == torch.float32:
+        torch.testing.assert_close(w, want_w, atol=0, rtol=2 * 2**-23)
+    else:
+        torch.testing.assert_close(w.float(), want_w.float(), atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_familys_router_is_recognised_and_picks_its_experts(name):
+    model = FAMILIES[name](torch.float32).to(DEVICE)
+    router = router_of(model)
+    assert fr.kind_of(router) == KINDS[name]
+    assert len(fr.routers(model)) == sum(1 for m in model.modules() if hasattr(m, "experts"))
+    compare(router, tokens=7, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe_lite"])
+def test_bf16_routers(name):
+    router = router_of(FAMILIES[name](torch.bfloat16).to(DEVICE))
+    compare(router, tokens=5, dtype=torch.bfloat16, seed=1)
+
+
+def test_groups_without_normalisation_and_scaled():
+    router = router_of(grouped_deepseek().to(DEVICE))
+    assert (router.num_group, router.topk_group, router.top_k) == (4, 2, 4)
+    compare(router, tokens=9, dtype=torch.float32, seed=2)
+
+
+def test_qwen3_moe_without_normalisation():
+    model = FAMILIES["qwen3_moe"](torch.float32).to(DEVICE)
+    router = router_of(model)
+    router.norm_topk_prob = False
+    compare(router, tokens=3, dtype=torch.float32, seed=3)
+
+
+def test_no_tokens():
+    router = router_of(FAMILIES["qwen3_moe"](torch.float32).to(DEVICE))
+    compare(router, tokens=0, dtype=torch.float32)
+
+
+def test_a_router_whose_forward_differs_is_left_alone():
+    model = FAMILIES["qwen3_moe"](torch.float32)
+    router = router_of(model)
+
+    class Other(type(router)):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states * 2)
+
+    router.__class__ = Other
+    assert fr.kind_of(router) is None
+    assert router not in fr.routers(model)
+
+
+def test_patched_model_routes_through_the_kernel(monkeypatch):
+    """``patch_model`` installs the kernel's forward on CUDA only; here it is made to take that
+    path on the CPU (the interpreter), and the tokens must not change."""
+    prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 19, 23, 1]]
+    reference = MOE_MODELS["qwen3_moe"](torch.float32)
+    want = [reference.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    real = experts_module.kernel_routers
+    monkeypatch.setattr("torch_cp.hf.patch.kernel_routers",
+                        lambda model, device: real(model, torch.device("cuda")))
+    calls = []
+    route = fr.route
+    monkeypatch.setattr(fr, "route", lambda *a: calls.append(1) or route(*a))
+    model = torch_cp.patch_model(MOE_MODELS["qwen3_moe"](torch.float32))
+    router = router_of(model)
+    assert "forward" in router.__dict__
+    engine = torch_cp.Engine(model, num_pages=16, page_size=4, max_rows=2)
+    assert [list(r.token_ids) for r in engine.run(prompts, 4)] == want
+    assert calls
+    torch_cp.unpatch_model(model)
+    assert "forward" not in router.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gpu_kernel_eager_and_compiled(name):
+    """On the GPU (the kernel compiled, not interpreted): the router's own experts and weights
+    in fp32 and bf16, and the same experts when Dynamo traces the forward (as in compiled
+    layers; Inductor may run the GEMM as another kernel: values within one bf16 ulp)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        router = router_of(FAMILIES[name](dtype).cuda())
+        compare(router, tokens=33, dtype=dtype, seed=4)
+        x = torch.randn(3, router.hidden_dim, device="cuda", dtype=dtype)
+        forward = fr.fused_forward(router)
+        with torch.no_grad():
+            eager = forward(x)
+            compiled = torch.compile(forward, fullgraph=True)(x)
+        assert torch.equal(eager[2], compiled[2])
+        for a, b in zip(eager[:2], compiled[:2]):
+            torch.testing.assert_close(a.float(), b.float(), atol=0, rtol=2**-7)
