@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -124,58 +125,70 @@ def _kind_of_class(cls: type) -> str | None:
     return None
 
 
-def kind_of(router: nn.Module) -> str | None:
-    """``"softmax"`` or ``"sigmoid"`` when ``router``'s forward is one of the router kinds the
-    kernel computes (see the module's docstring), else None."""
+@dataclass(frozen=True)
+class Routing:
+    """What a router computes after its GEMM, read once from the router (outside any trace)."""
+
+    kind: str  # "softmax" or "sigmoid"
+    top_k: int
+    normalise: bool
+    groups: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+def routing_of(router: nn.Module) -> Routing | None:
+    """The ``Routing`` of ``router`` when its forward is one of the router kinds the kernel
+    computes (see the module's docstring) on shapes its own forward computes, else None."""
     kind = _kind_of_class(type(router))
     if kind is None:
         return None
     experts, top_k = router.num_experts, router.top_k
-    if kind == "sigmoid":  # shapes transformers' own forward computes
-        groups, kept = router.num_group, router.topk_group
-        if experts % groups or experts // groups < 2 or not 0 < kept <= groups \
-                or top_k > kept * (experts // groups):
-            return None
-    return kind if 0 < top_k <= experts else None
-
-
-def _normalises(router: nn.Module) -> bool:
     source = _squeezed(inspect.getsource(type(router).forward))
-    if CONDITIONAL_NORM in source:
-        return bool(router.norm_topk_prob)
-    return _kind_of_class(type(router)) == "sigmoid" or SOFTMAX_NORM in source
+    normalise = (bool(router.norm_topk_prob) if CONDITIONAL_NORM in source
+                 else kind == "sigmoid" or SOFTMAX_NORM in source)
+    if kind == "softmax":
+        return Routing(kind, top_k, normalise) if 0 < top_k <= experts else None
+    groups, kept = router.num_group, router.topk_group
+    if experts % groups or experts // groups < 2 or not 0 < kept <= groups \
+            or not 0 < top_k <= kept * (experts // groups):
+        return None
+    return Routing(kind, top_k, normalise, groups, kept, float(router.routed_scaling_factor))
+
+
+def kind_of(router: nn.Module) -> str | None:
+    """``routing_of(router).kind``, or None."""
+    routing = routing_of(router)
+    return routing.kind if routing else None
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """The routers of ``model``'s MoE blocks (``gate`` beside ``experts``) the kernel computes."""
     return [m.gate for m in model.modules()
             if isinstance(getattr(m, "experts", None), nn.Module)
-            and isinstance(getattr(m, "gate", None), nn.Module) and kind_of(m.gate)]
+            and isinstance(getattr(m, "gate", None), nn.Module) and routing_of(m.gate)]
 
 
-def route(router: nn.Module, logits_te: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], expert ids [T, k] int64) of ``router`` for its logits ``logits_te``
-    [T, E], as its own forward computes them from these logits."""
-    kind = kind_of(router)
-    assert kind is not None, type(router).__name__
+def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k] int64) for router logits ``logits_te`` [T, E] (and
+    the sigmoid kind's score-correction bias ``bias_e`` [E]), as the router computes them."""
     tokens, experts = logits_te.shape
-    top_k = router.top_k
-    sigmoid = kind == "sigmoid"
-    groups = router.num_group if sigmoid else 1
-    topk_group = router.topk_group if sigmoid else 1
+    sigmoid = routing.kind == "sigmoid"
+    assert (bias_e is not None) == sigmoid
     logits_te = logits_te if logits_te.stride(-1) == 1 else logits_te.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32 if sigmoid else logits_te.dtype,
-                          device=logits_te.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits_te.device)
-    bias = router.e_score_correction_bias if sigmoid else logits_te
+    weights = torch.empty(tokens, routing.top_k, device=logits_te.device,
+                          dtype=torch.float32 if sigmoid else logits_te.dtype)
+    ids = torch.empty(tokens, routing.top_k, dtype=torch.int64, device=logits_te.device)
     if tokens:
+        group_size = experts // routing.groups
         _route[(tokens,)](
-            logits_te, bias, weights, ids, experts, experts // groups, logits_te.stride(0),
-            float(router.routed_scaling_factor) if sigmoid else 1.0,
-            SIGMOID=sigmoid, NORM=_normalises(router), GROUPS=groups,
-            TOPK_GROUP=topk_group, GROUPS_PAD=triton.next_power_of_2(groups),
-            GROUP_PAD=triton.next_power_of_2(experts // groups), TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k))
+            logits_te, bias_e if sigmoid else logits_te, weights, ids, experts, group_size,
+            logits_te.stride(0), routing.scale, SIGMOID=sigmoid, NORM=routing.normalise,
+            GROUPS=routing.groups, TOPK_GROUP=routing.topk_group,
+            GROUPS_PAD=triton.next_power_of_2(routing.groups),
+            GROUP_PAD=triton.next_power_of_2(group_size), TOP_K=routing.top_k,
+            K_PAD=triton.next_power_of_2(routing.top_k))
     return weights, ids
 
 
@@ -183,13 +196,18 @@ def fused_forward(router: nn.Module):
     """A forward for ``router`` (one ``routers`` gave) with its own signature and results,
     (logits, weights, ids): its GEMM as it runs it, then ``route``. The caller installs it and
     keeps the original, as for the attention forwards."""
-    sigmoid = kind_of(router) == "sigmoid"
+    routing = routing_of(router)
+    assert routing is not None, type(router).__name__
+    sigmoid = routing.kind == "sigmoid"
 
     def forward(hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, router.hidden_dim)
-        logits = (F.linear(x.float(), router.weight.float()) if sigmoid
-                  else F.linear(x, router.weight))
-        weights, ids = route(router, logits)
+        if sigmoid:
+            logits = F.linear(x.float(), router.weight.float())
+            weights, ids = route(routing, logits, router.e_score_correction_bias)
+        else:
+            logits = F.linear(x, router.weight)
+            weights, ids = route(routing, logits)
         return logits, weights, ids
 
     return forward

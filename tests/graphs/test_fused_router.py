@@ -145,6 +145,33 @@ def test_patched_model_routes_through_the_kernel(monkeypatch):
     assert "forward" not in router.__dict__
 
 
+class StandInKernel:
+    """``_route[grid](...)`` as torch ops: Triton's interpreter cannot be traced by Dynamo."""
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    def launch(self, logits, bias, weights, ids, *args, TOP_K, **meta):
+        top = logits.float().topk(TOP_K, dim=-1)
+        weights.copy_(top.values)
+        ids.copy_(top.indices)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_the_forward_traces_whole_up_to_the_kernel(name, monkeypatch):
+    """Dynamo traces the installed forward without a break (compiled layers use fullgraph):
+    what it reads of the router was read when the forward was made. Here the kernel's launch is
+    a torch stand-in; the GPU test below traces the kernel itself."""
+    router = router_of(FAMILIES[name](torch.float32))
+    monkeypatch.setattr(fr, "_route", StandInKernel())
+    forward = fr.fused_forward(router)
+    x = torch.randn(3, router.hidden_dim)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for a, b in zip(forward(x), torch.compile(forward, fullgraph=True, backend="eager")(x)):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_gpu_kernel_eager_and_compiled(name):
