@@ -50,11 +50,17 @@ def register_fused(device: torch.device) -> bool:
     return True
 
 
+# Whether patch_model installs the router kernel (graphs/fused_router.py) on CUDA. Off until a
+# GPU run has compiled and captured it: its first try there (run 62) broke compiled MoE layers
+# (a source check inside the trace, fixed since and CPU-tested, not yet run on a GPU).
+KERNEL_ROUTERS = False
+
+
 def kernel_routers(model: nn.Module, device: torch.device) -> list[tuple[nn.Module, Callable]]:
     """The MoE routers of ``model`` that torch_cp's router kernel computes
-    (graphs/fused_router.py), each with its forward through the kernel; none off CUDA or
-    without Triton (the CPU keeps transformers' routers)."""
-    if device.type != "cuda":
+    (graphs/fused_router.py), each with its forward through the kernel; none off CUDA, without
+    Triton (the CPU keeps transformers' routers) or while ``KERNEL_ROUTERS`` is off."""
+    if device.type != "cuda" or not KERNEL_ROUTERS:
         return []
     try:
         from torch_cp.graphs import fused_router

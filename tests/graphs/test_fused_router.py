@@ -11,8 +11,9 @@ for every MoE family's router. Without CUDA the kernel runs in Triton's interpre
   softmax kind's bf16 weights within one bf16 ulp (2**-7 relative) of its own: compiled, Triton
   rounds to nearest like torch, and fp32 values 2 ulps apart rarely round apart; Triton's
   interpreter truncates instead, so on the CPU about one weight in five is one ulp below.
-- Patched on CUDA (here the CPU forced through the same path), a tiny Qwen3-MoE routes through
-  the kernel, generates the unpatched model's tokens, and unpatching restores the router.
+- Patched on CUDA with ``KERNEL_ROUTERS`` on (here the CPU forced through the same path), a
+  tiny Qwen3-MoE routes through the kernel, generates the unpatched model's tokens, and
+  unpatching restores the router.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def test_patched_model_routes_through_the_kernel(monkeypatch):
     reference = MOE_MODELS["qwen3_moe"](torch.float32)
     want = [reference.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):]
             .tolist() for p in prompts]
+    monkeypatch.setattr(experts_module, "KERNEL_ROUTERS", True)
     real = experts_module.kernel_routers
     monkeypatch.setattr("torch_cp.hf.patch.kernel_routers",
                         lambda model, device: real(model, torch.device("cuda")))

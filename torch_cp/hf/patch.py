@@ -72,8 +72,7 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
         ``cp_attention``. Its forward then needs ``past_key_values=PagedKVCache(...)`` with a
         step plan (``model.generate`` makes one itself, see ``torch_cp.hf.model_generate``).
         Linears that read one input (q/k/v, gate/up) run as one GEMM, their weights views of one
-        storage (``torch_cp.fused_linear``): move and load the model before patching it. On
-        CUDA, MoE routers pick their experts in one kernel (``graphs/fused_router.py``).
+        storage (``torch_cp.fused_linear``): move and load the model before patching it.
     Raises:
         ValueError naming every problem, before anything is allocated or modified; also when
         the model is already patched.
