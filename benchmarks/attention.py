@@ -15,6 +15,7 @@ the same run.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 
 import torch
@@ -25,6 +26,7 @@ from benchmarks.common import (
     copy_bandwidth,
     free_cuda,
     graph_time_ms,
+    kernel_times,
     run_header,
     table,
     time_ms,
@@ -85,13 +87,21 @@ def unplaced_flashinfer(shape: dict, batch: int, ctx: int, tables, num_pages: in
         hkv, d = shape["kv_heads"], shape["head_dim"]
         kv = torch.empty(num_pages, 2, PAGE, hkv, d, dtype=DTYPE, device=device).normal_()
         q = torch.randn(batch, h, d, dtype=DTYPE, device=device)
+        kernels = {}
         for tc in (True, False):
+            name = "tensor_cores" if tc else "cuda_cores"
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                               use_tensor_cores=tc)
-            w.plan(indptr, indices, last, h, hkv, d, PAGE, q_data_type=DTYPE,
-                   kv_data_type=DTYPE)
-            out["tensor_cores" if tc else "cuda_cores"] = time_ms(lambda w=w: w.run(q, kv),
-                                                                  device)
+            splits = [False] + (["disable_split_kv"] if "disable_split_kv"
+                                in inspect.signature(w.plan).parameters else [])
+            for split in splits:
+                w.plan(indptr, indices, last, h, hkv, d, PAGE, q_data_type=DTYPE,
+                       kv_data_type=DTYPE, **({split: True} if split else {}))
+                if not split:
+                    out[name] = time_ms(lambda w=w: w.run(q, kv), device)
+                kernels[name + ("_no_split" if split else "")] = kernel_ms(
+                    lambda w=w: w.run(q, kv), device)
+        out["kernel_ms"] = kernels
         return out
     from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
@@ -110,6 +120,19 @@ def unplaced_flashinfer(shape: dict, batch: int, ctx: int, tables, num_pages: in
                query_layout="split", kv_cache_layout="split")
         out[fa] = time_ms(lambda w=w: w.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe)), device)
     return out
+
+
+def kernel_ms(fn, device, calls: int = 20) -> float:
+    """GPU kernel time of one call of ``fn`` (the profiler's kernel durations summed over
+    ``calls`` calls): what the call costs inside a captured step, without its launch overhead,
+    which at batch 1 is larger than the kernels."""
+    fn()
+
+    def repeated():
+        for _ in range(calls):
+            fn()
+
+    return sum(ms for ms, _ in kernel_times(repeated, device).values()) / calls
 
 
 def new_pool(shape: dict, num_pages: int, cp: ContextParallel, device):
@@ -201,7 +224,8 @@ def run_case(shape: dict, batch: int, ctx: int, copy_bw: float, device, smoke: b
         if size > 1:
             rec["placed"][size]["merge"] = merges(shape, batch, size, device)
         free_cuda(device)
-    base = min(rec["unplaced"].values()) if not smoke else rec["placed"][1]["ms"]
+    base = (min(v for v in rec["unplaced"].values() if isinstance(v, float)) if not smoke
+            else rec["placed"][1]["ms"])
     rec["unplaced_best_ms"] = base
     rec["unplaced_kv_tb_s"] = batch * ctx * kv_bytes_per_token(shape) / (base * 1e-3) / 1e12
     for size, p in rec["placed"].items():
@@ -234,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch backend")
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip cases past this")
     ap.add_argument("--shapes", default="gqa,mla")
+    ap.add_argument("--sizes", default=None,
+                    help="batch x context cases, e.g. '1x512,1x4096,32x512' (default: SIZES)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
@@ -248,7 +274,10 @@ def main(argv=None) -> int:
                   "mla": dict(MLA, q_heads=4, head_dim=40, rank=32, rope=8)}
     records = []
     for name in args.shapes.split(","):
-        for batch, ctx in SMOKE_SIZES if smoke else SIZES:
+        sizes = SMOKE_SIZES if smoke else SIZES
+        if args.sizes:
+            sizes = [tuple(map(int, case.split("x"))) for case in args.sizes.split(",")]
+        for batch, ctx in sizes:
             if not budget.allows(20):
                 results.add(shape=name, batch=batch, ctx=ctx, skipped="time budget")
                 continue
