@@ -119,16 +119,16 @@ def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48,
     first, last = spans[0][0], max(end for _, end in spans)
     window = first + (last - first) // 4
     idle, cursor, gaps, named = 0, window, [], []
-    before = ""
+    last_end, before = 0, ""  # the kernel that ended last so far
     for start, end, name in kernels_on_gpu:
-        if end <= window:
-            continue
-        if start > cursor:
-            idle += start - cursor
-            gaps.append(start - cursor)
-            named.append((round(start - cursor, 1), before[:60], name[:60]))
-        cursor = max(cursor, end)
-        before = name
+        if end > window:
+            if start > cursor:
+                idle += start - cursor
+                gaps.append(start - cursor)
+                named.append((round(start - cursor, 1), before[:60], name[:60]))
+            cursor = max(cursor, end)
+        if end > last_end:
+            last_end, before = end, name
     decode_steps = (new_tokens - 1) * 3 / 4
     steps = engine.steps - steps_before
     waits = {e.key: round(e.cpu_time_total / 1e3 / steps, 4) for e in prof.key_averages()

@@ -18,7 +18,11 @@ whose forward differs, keeps its own:
   the order unspecified), weighted by the sigmoid without the bias, optionally divided by their
   sum (+ 1e-20), times ``routed_scaling_factor``; float32.
 
-Equal values are broken toward the lower expert id.
+Equal values are broken toward the lower expert id (torch's order among equal values is
+unspecified), and NaN ranks first, as in ``torch.topk``. What a router computes (its kind, k,
+groups, normalisation, scale) is read once, when its forward is made (``fused_forward``, by
+``patch_model``): set a router's attributes before patching. Only its weight and bias are read
+at each call.
 """
 
 from __future__ import annotations
@@ -35,11 +39,15 @@ from torch import nn
 from torch.nn import functional as F
 
 # Fragments of transformers' router forwards (whitespace removed) that say what they compute.
-SOFTMAX_LINES = ("softmax(router_logits,dtype=torch.float,dim=-1)",
+SOFTMAX_LINES = ("hidden_states=hidden_states.reshape(-1,self.hidden_dim)",
+                 "router_logits=F.linear(hidden_states,self.weight)",
+                 "softmax(router_logits,dtype=torch.float,dim=-1)",
                  "torch.topk(router_probs,self.top_k,dim=-1)",
                  "router_top_value=router_top_value.to(router_logits.dtype)")
 SOFTMAX_NORM = "router_top_value/=router_top_value.sum(dim=-1,keepdim=True)"
-SIGMOID_LINES = ("F.linear(hidden_states.type(torch.float32),self.weight.type(torch.float32))",
+SIGMOID_LINES = ("hidden_states=hidden_states.view(-1,self.hidden_dim)",
+                 "router_logits=F.linear(hidden_states.type(torch.float32),"
+                 "self.weight.type(torch.float32))",
                  "scores=router_logits.sigmoid()",
                  "scores_for_choice=scores+self.e_score_correction_bias",
                  ".topk(2,dim=-1)[0].sum(dim=-1)",
@@ -48,6 +56,13 @@ SIGMOID_LINES = ("F.linear(hidden_states.type(torch.float32),self.weight.type(to
                  "denominator=topk_weights.sum(dim=-1,keepdim=True)+1e-20",
                  "topk_weights=topk_weights*self.routed_scaling_factor")
 CONDITIONAL_NORM = "ifself.norm_topk_prob:"
+
+
+@triton.jit
+def _chosen_first_if_nan(choice, valid):
+    """``choice`` with NaN as +inf (as ``torch.topk`` ranks NaN first: a NaN row still picks
+    experts that exist) and -inf off ``valid``."""
+    return tl.where(valid, tl.where(choice != choice, float("inf"), choice), float("-inf"))
 
 
 @triton.jit
@@ -64,8 +79,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logi
     x = tl.load(logits_ptr + token * logits_st + e, mask=valid, other=0.0).to(tl.float32)
     if SIGMOID:
         score = 1.0 / (1.0 + tl.exp(-x))
-        choice = score + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-        choice = tl.where(valid, choice, float("-inf"))
+        choice = _chosen_first_if_nan(
+            score + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32), valid)
         if GROUPS > 1:  # each group's best two, summed; keep the best TOPK_GROUP groups
             best = tl.max(choice, axis=1)
             first = tl.min(tl.where(choice == best[:, None], e, none), axis=1)
@@ -84,14 +99,15 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logi
         x = tl.where(valid, x, float("-inf"))
         exp = tl.exp(x - tl.max(tl.max(x, axis=1), axis=0))
         score = exp / tl.sum(tl.sum(exp, axis=1), axis=0)
-        choice = tl.where(valid, score, float("-inf"))
+        choice = _chosen_first_if_nan(score, valid)
     k = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int64)
     weights = tl.zeros([K_PAD], dtype=tl.float32)
     for i in tl.static_range(TOP_K):
         top = tl.max(tl.max(choice, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where(choice == top, e, none), axis=1), axis=0)
-        picked = e == pick
+        pick = tl.minimum(tl.min(tl.min(tl.where(choice == top, e, none), axis=1), axis=0),
+                          experts - 1)
+        picked = (e == pick) & valid  # padding lanes repeat the next group's ids
         ids = tl.where(k == i, pick.to(tl.int64), ids)
         weights = tl.where(k == i, tl.sum(tl.sum(tl.where(picked, score, 0.0), axis=1), axis=0),
                            weights)

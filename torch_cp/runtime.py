@@ -31,7 +31,8 @@ class ModelRuntime:
         page_size: the logical page size patch_model checked against P; pools default to it.
         tp, tp_rank, tp_group: the tensor-parallel split (tp = 1: not sharded).
         family: the model family that patched the attention modules (None: built by hand).
-        originals: (attention module, its own forward) pairs that ``unpatch_model`` restores.
+        originals: (module, its own forward) pairs that ``unpatch_model`` restores (attention,
+            DeltaNet, gated MLP and router modules).
         linear: per-rank shapes of a hybrid model's linear-attention layers (None: no state).
         linear_kernels: their kernels, ``"torch"`` or ``"fla"`` (``torch_cp.state.kernels``).
     """

@@ -4,10 +4,12 @@ for every MoE family's router. Without CUDA the kernel runs in Triton's interpre
 
 - Every family's router is recognised with its kind; a router whose forward differs is not.
 - The same experts as the router's own forward, for fp32 and bf16 logits, with the score bias
-  set, with groups (DeepSeek's ``n_group`` / ``topk_group``), without the normalisation and with
-  a scaling factor: the softmax kind in its order, the sigmoid kind as a set (transformers
-  leaves that order unspecified).
-- Weights: fp32 within 2 ulps (a softmax or sum over the same values in another order); the
+  set, with groups (DeepSeek's ``n_group`` / ``topk_group``, of sizes that are and are not powers
+  of two), without the normalisation and with a scaling factor: the softmax kind in descending
+  order, up to equal values (which torch orders as it likes), the sigmoid kind as a set
+  (transformers leaves that order unspecified). A NaN or -inf row still picks experts that
+  exist.
+- Weights: fp32 within 4 ulps (a softmax or sum over the same values in another order); the
   softmax kind's bf16 weights within one bf16 ulp (2**-7 relative) of its own: compiled, Triton
   rounds to nearest like torch, and fp32 values 2 ulps apart rarely round apart; Triton's
   interpreter truncates instead, so on the CPU about one weight in five is one ulp below.
@@ -35,18 +37,19 @@ KINDS = {"qwen3_moe": "softmax", "glm4_moe": "sigmoid", "glm4_moe_lite": "sigmoi
          "deepseek_v3": "sigmoid", "qwen3_5_moe_text": "softmax", "qwen3_next": "softmax"}
 
 
-def grouped_deepseek():
-    """16 experts in 4 groups, the best 2 groups kept, top 4, no normalisation, scaled."""
+def grouped_deepseek(experts: int, groups: int, kept: int, top_k: int):
+    """DeepSeek-V3's router over ``experts`` in ``groups`` groups, the best ``kept`` groups
+    kept, top ``top_k``, no normalisation, scaled by 2.5."""
+    from transformers import AutoModelForCausalLM
+
     config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
                               moe_intermediate_size=16, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                              v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4,
-                              n_group=4, topk_group=2, norm_topk_prob=False,
+                              v_head_dim=8, n_routed_experts=experts, num_experts_per_tok=top_k,
+                              n_group=groups, topk_group=kept, norm_topk_prob=False,
                               routed_scaling_factor=2.5, first_k_dense_replace=1)
     torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -54,6 +57,11 @@ def router_of(model):
     routers = fr.routers(model)
     assert routers, "the model's routers are recognised"
     return routers[0]
+
+
+def by_id(ids, w):
+    order = ids.argsort(-1)
+    return ids.gather(1, order), w.gather(1, order)
 
 
 def compare(router, tokens: int, dtype, seed: int = 0):
@@ -66,13 +74,20 @@ def compare(router, tokens: int, dtype, seed: int = 0):
         logits, w, ids = fr.fused_forward(router)(x)
     torch.testing.assert_close(logits, want_logits, atol=0, rtol=0)
     assert w.dtype == want_w.dtype and ids.dtype == want_ids.dtype == torch.int64
-    if fr.kind_of(router) == "sigmoid":  # a set: order both by id
-        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
-        ids, w = ids.gather(1, order), w.gather(1, order)
-        want_ids, want_w = want_ids.gather(1, want_order), want_w.gather(1, want_order)
-    assert torch.equal(ids, want_ids)
-    if w.dtype == torch.float32:
-        torch.testing.assert_close(w, want_w, atol=0, rtol=2 * 2**-23)
+    if fr.kind_of(router) == "sigmoid":  # a set (fp32 logits: no ties here)
+        (ids, w), (want_ids, want_w) = by_id(ids, w), by_id(want_ids, want_w)
+        assert torch.equal(ids, want_ids)
+    else:
+        # bf16 logits tie often, and torch orders equal values as it likes: the experts picked
+        # must have the same probabilities as torch's, in descending order.
+        probs = torch.softmax(want_logits.float(), dim=-1)
+        mine, theirs = probs.gather(1, ids), probs.gather(1, want_ids)
+        assert torch.equal(mine.sort(-1, descending=True).values,
+                           theirs.sort(-1, descending=True).values)
+        assert (mine[:, :-1] >= mine[:, 1:]).all()
+        w, want_w = w.sort(-1, descending=True).values, want_w.sort(-1, descending=True).values
+    if w.dtype == torch.float32:  # a softmax or sum over the same values in another order
+        torch.testing.assert_close(w, want_w, atol=0, rtol=4 * 2**-23)
     else:
         torch.testing.assert_close(w.float(), want_w.float(), atol=0, rtol=2**-7)
 
@@ -92,10 +107,34 @@ def test_bf16_routers(name):
     compare(router, tokens=5, dtype=torch.bfloat16, seed=1)
 
 
-def test_groups_without_normalisation_and_scaled():
-    router = router_of(grouped_deepseek().to(DEVICE))
-    assert (router.num_group, router.topk_group, router.top_k) == (4, 2, 4)
+@pytest.mark.parametrize("experts,groups,kept,top_k", [
+    (16, 4, 2, 4),  # powers of two
+    (12, 4, 2, 3),  # groups of 3: padded lanes beside real ones
+    (96, 8, 4, 8),  # groups of 12
+])
+def test_groups_without_normalisation_and_scaled(experts, groups, kept, top_k):
+    router = router_of(grouped_deepseek(experts, groups, kept, top_k).to(DEVICE))
+    assert (router.num_group, router.topk_group, router.top_k) == (groups, kept, top_k)
     compare(router, tokens=9, dtype=torch.float32, seed=2)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's -inf - -inf
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_a_nan_row_picks_experts_that_exist_and_leaves_the_others(name):
+    """NaN ranks first (as in torch.topk), so a token with NaN logits still gets real expert
+    ids (and NaN weights) rather than ids past the end for the experts to read; the other
+    tokens are routed as without it."""
+    router = router_of(FAMILIES[name](torch.float32).to(DEVICE))
+    routing = fr.routing_of(router)
+    bias = router.e_score_correction_bias if routing.kind == "sigmoid" else None
+    logits = torch.randn(4, router.num_experts, device=DEVICE)
+    clean_w, clean_ids = fr.route(routing, logits, bias)
+    logits[1, 3] = float("nan")
+    logits[2] = float("-inf")
+    w, ids = fr.route(routing, logits, bias)
+    assert ((0 <= ids) & (ids < router.num_experts)).all()
+    assert torch.equal(ids[[0, 3]], clean_ids[[0, 3]])
+    assert torch.equal(w[[0, 3]], clean_w[[0, 3]])
 
 
 def test_qwen3_moe_without_normalisation():
