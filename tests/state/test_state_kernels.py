@@ -302,7 +302,7 @@ def layer_step(x, weight, conv, recurrent, handle):
     """Layer 1's state ops as ``models/deltanet.py`` chains them: the conv's output split into
     q, k, v for the delta rule."""
     n = x["x"].shape[0]
-    mixed = state_conv(x["x"], weight, conv, 1, handle, "silu")
+    mixed = state_conv(x["x"], weight, conv, 1, handle, "silu", "torch")
     q, k, v = torch.split(mixed, [HK * DK, HK * DK, HV * DV], dim=-1)
     out = state_delta_rule(q.reshape(n, HK, DK), k.reshape(n, HK, DK), v.reshape(n, HV, DV),
                            x["g"], x["beta"], recurrent, 1, handle, "torch")
@@ -315,7 +315,8 @@ def test_custom_ops_pass_opcheck(case):
     kernels' outputs against the real ones, AOT dispatch. About 0.3 s per op and case."""
     x, conv, recurrent, *args = op_inputs(*OP_CASES[case])
     planned = Planned(*args)
-    torch.library.opcheck(state_conv, (x["x"], conv_weight(), conv, 1, planned.handle, "silu"))
+    torch.library.opcheck(state_conv, (x["x"], conv_weight(), conv, 1, planned.handle, "silu",
+                                       "torch"))
     torch.library.opcheck(state_delta_rule, (x["q"], x["k"], x["v"], x["g"], x["beta"],
                                              recurrent, 1, planned.handle, "torch"))
 

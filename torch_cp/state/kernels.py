@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from torch_cp import compat
 
 KERNELS = ("torch", "fla")
+# Whether ``"fla"`` decode steps run the conv through torch_cp's in-place kernel
+# (conv_kernel.py). Off until a GPU run has compiled it (it is tested in Triton's interpreter).
+DECODE_CONV_KERNEL = False
 
 
 def fla_available() -> bool:
@@ -49,13 +52,18 @@ def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 def conv_step(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
               slots_b: torch.Tensor, fresh_b: torch.Tensor, qo_indptr: torch.Tensor,
-              decode: bool, activation: str) -> torch.Tensor:
+              decode: bool, activation: str, kernels: str = "torch") -> torch.Tensor:
     """Causal depthwise conv of packed inputs ``x_nc`` [N, C] with ``weight_ck`` [C, K].
 
     ``states`` [slots, C, K - 1]: one layer's conv states (the last slot: zeros, never written),
     updated in place for each row's slot ``slots_b`` [B]. Returns the activated conv output
-    [N, C] (tokens past the rows: zeros).
+    [N, C] (tokens past the rows: zeros). With ``kernels="fla"`` a SiLU decode step runs
+    torch_cp's in-place kernel (``conv_kernel.py``) once ``DECODE_CONV_KERNEL`` is on.
     """
+    if decode and kernels == "fla" and activation == "silu" and DECODE_CONV_KERNEL:
+        from torch_cp.state.conv_kernel import conv_step_in_place
+
+        return conv_step_in_place(x_nc, weight_ck, states, slots_b, fresh_b)
     width = weight_ck.shape[1] - 1
     prev_bck = _start(states, slots_b, fresh_b)
     conv_weight = weight_ck.unsqueeze(1)

@@ -34,7 +34,7 @@ class LinearStateLayer(nn.Module):
         then the delta rule with log decay ``g_nh`` and ``beta_nh`` [N, Hv] -> [N, Hv, Dv]."""
         n = qkv_nc.shape[0]
         mixed_nc = state_conv(qkv_nc, conv_weight_ck, state.conv, self.layer_idx, state.handle,
-                              activation)
+                              activation, self.kernels)
         key = k_heads * k_dim
         q, k, v = torch.split(mixed_nc, [key, key, mixed_nc.shape[1] - 2 * key], dim=-1)
         return state_delta_rule(q.reshape(n, k_heads, k_dim), k.reshape(n, k_heads, k_dim),

@@ -36,16 +36,16 @@ def _step(handle: int):
 
 @torch.library.custom_op("torch_cp::state_conv", mutates_args=("conv",))
 def state_conv(x_nc: torch.Tensor, weight_ck: torch.Tensor, conv: torch.Tensor, layer_idx: int,
-               handle: int, activation: str) -> torch.Tensor:
+               handle: int, activation: str, kernels: str) -> torch.Tensor:
     """``kernels.conv_step`` on layer ``layer_idx`` of the pool's ``conv`` tensor, for the step
     the pool was planned for."""
     p = _step(handle)
     return conv_step(x_nc, weight_ck, conv[layer_idx], p.state_slots, p.ctx_lens == 0,
-                     p.qo_indptr_host, p.is_decode, activation)
+                     p.qo_indptr_host, p.is_decode, activation, kernels)
 
 
 @state_conv.register_fake
-def _(x_nc, weight_ck, conv, layer_idx, handle, activation):
+def _(x_nc, weight_ck, conv, layer_idx, handle, activation, kernels):
     return torch.empty_like(x_nc)
 
 
