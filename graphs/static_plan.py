@@ -48,7 +48,7 @@ class StaticPlan:
 
 
 _STEP_TENSORS = ("qo_indptr", "q_lens", "ctx_lens", "positions", "token_row", "write_index",
-                 "state_slots")
+                 "state_slots", "state_fresh")
 
 
 def _context_tensors(ctx: PagedIndptrs) -> tuple[torch.Tensor, ...]:

@@ -99,6 +99,9 @@ class StepPlan:
         bucket: the captured shape this step is padded to and replays, or None (eager).
         state_slots: [B] int64 state-pool slot of each row (hybrid models' linear-attention
             state; padding rows: the sink slot), or None when the model keeps no state.
+        state_fresh: [B] int64, 1 where a row's state starts from zeros (no context: a new
+            request or a padding row), else 0; None with ``state_slots``. Made once per step
+            here, so no layer compares ``ctx_lens`` itself.
     """
 
     num_rows: int
@@ -120,6 +123,7 @@ class StepPlan:
     token_index: torch.Tensor | None = None
     bucket: Bucket | None = None
     state_slots: torch.Tensor | None = None
+    state_fresh: torch.Tensor | None = None
 
     @property
     def page_ids(self) -> torch.Tensor:
@@ -231,7 +235,8 @@ def build_step_plan(
         [qo_indptr.to(i32), q_t.to(i32), c_t.to(i32), host.lens, host.indptr, host.indices,
          host.last_page_len, host.table], dev)
     slots = [] if state_slots is None else [torch.tensor(
-        [int(s) for s in state_slots] + [sink_slot] * (padded_rows - rows), dtype=torch.int64)]
+        [int(s) for s in state_slots] + [sink_slot] * (padded_rows - rows), dtype=torch.int64),
+        (c_t == 0).to(torch.int64)]
     (positions_d, token_row_d, write_index_d, *slots_d), _ = _upload(
         [positions, token_row, write_index, *slots], dev)
     return StepPlan(
@@ -254,4 +259,5 @@ def build_step_plan(
         token_index=None if token_index is None else token_index.to(dev),
         bucket=bucket,
         state_slots=slots_d[0] if slots_d else None,
+        state_fresh=slots_d[1] if slots_d else None,
     )

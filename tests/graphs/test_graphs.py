@@ -66,6 +66,25 @@ def test_static_plan_keeps_addresses_and_takes_new_values(bucket):
     assert torch.equal(loaded.context_host.indptr, fresh.context_host.indptr)
 
 
+def test_state_fresh_marks_rows_without_context_and_padding_rows():
+    """A hybrid model's plan says once which rows start from zeros (the state kernels read it),
+    and a captured bucket's static plan takes it like the other step tensors."""
+    bucket = Bucket(4, 4, 24)
+
+    def plan(ctx_lens):
+        return build_step_plan([1, 1, 1], ctx_lens, [[1], [2], [5, 6, 7]], page_size=8,
+                               sink_page=99, bucket=bucket, state_slots=[2, 0, 1], sink_slot=5)
+
+    first = plan([3, 0, 17])
+    assert first.state_slots.tolist() == [2, 0, 1, 5]
+    assert first.state_fresh.tolist() == [0, 1, 0, 1]
+    static = StaticPlan(first)
+    address = static.tensors["state_fresh"].data_ptr()
+    loaded = static.load(plan([0, 4, 18]))
+    assert loaded.state_fresh.data_ptr() == address
+    assert loaded.state_fresh.tolist() == [1, 0, 0, 1]
+
+
 def test_capture_step_writes_only_the_sink_page():
     """A capture step is all padding: every write goes to the sink page."""
     for bucket in (Bucket(8, 8, 8), Bucket(2, 16, 2)):

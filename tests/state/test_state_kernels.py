@@ -293,7 +293,7 @@ class Planned:
     context lengths (0: fresh), row bounds and kind."""
 
     def __init__(self, slots_b, fresh_b, qo, decode):
-        self.step = SimpleNamespace(state_slots=slots_b, ctx_lens=(~fresh_b).long(),
+        self.step = SimpleNamespace(state_slots=slots_b, state_fresh=fresh_b.long(),
                                     qo_indptr=qo, qo_indptr_host=qo, is_decode=decode)
         self.handle = register_pool(self)
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_cp.state.kernels import int_flags
+
 BLOCK_C = 128
 
 
@@ -65,7 +67,7 @@ def conv_step_in_place(x_bc: torch.Tensor, weight_ck: torch.Tensor, states: torc
     # Triton launches on the current device, which need not be the pool's.
     with torch.cuda.device(states.device) if states.is_cuda else contextlib.nullcontext():
         _conv_step[grid](
-            x_bc, weight_ck, states, slots_b, fresh_b.to(torch.int8), out, states.shape[0] - 1,
+            x_bc, weight_ck, states, slots_b, int_flags(fresh_b), out, states.shape[0] - 1,
             channels, x_bc.stride(0), weight_ck.stride(0), states.stride(0), states.stride(1),
             out.stride(0), WIDTH=width, K_PAD=triton.next_power_of_2(width + 1), BC=BLOCK_C)
     return out

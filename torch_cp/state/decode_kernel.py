@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_cp.state.kernels import int_flags
+
 BLOCK_V = 32
 
 
@@ -74,7 +76,7 @@ def decode_step_in_place(q_bhk: torch.Tensor, k_bhk: torch.Tensor, v_bhv: torch.
     # Triton launches on the current device, which need not be the pool's.
     with torch.cuda.device(states.device) if states.is_cuda else contextlib.nullcontext():
         _decode_step[grid](
-            q_bhk, k_bhk, v_bhv, g_bh, beta_bh, states, slots_b, fresh_b.to(torch.int8), out,
+            q_bhk, k_bhk, v_bhv, g_bh, beta_bh, states, slots_b, int_flags(fresh_b), out,
             states.shape[0] - 1, dk ** -0.5, q_bhk.stride(0), q_bhk.stride(1), k_bhk.stride(0),
             k_bhk.stride(1), v_bhv.stride(0), v_bhv.stride(1), g_bh.stride(0),
             beta_bh.stride(0), states.stride(0), states.stride(1), states.stride(2),

@@ -41,9 +41,16 @@ def fla_available() -> bool:
 
 
 def _start(states: torch.Tensor, slots_b: torch.Tensor, fresh_b: torch.Tensor) -> torch.Tensor:
-    """The state each row starts from: its slot's, or the zero slot's (the last) when fresh."""
+    """The state each row starts from: its slot's, or the zero slot's (the last) when fresh
+    (``fresh_b`` [B] bool or integer, nonzero: fresh)."""
     zero_slot = torch.full_like(slots_b, states.shape[0] - 1)
-    return states.index_select(0, torch.where(fresh_b, zero_slot, slots_b))
+    return states.index_select(0, torch.where(fresh_b != 0, zero_slot, slots_b))
+
+
+def int_flags(flags_b: torch.Tensor) -> torch.Tensor:
+    """Flags a Triton kernel can read (it takes no bool pointers): the plan's ``state_fresh`` is
+    int64 already, so no kernel runs for it."""
+    return flags_b.to(torch.int8) if flags_b.dtype == torch.bool else flags_b
 
 
 def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ def state_conv(x_nc: torch.Tensor, weight_ck: torch.Tensor, conv: torch.Tensor, 
     """``kernels.conv_step`` on layer ``layer_idx`` of the pool's ``conv`` tensor, for the step
     the pool was planned for."""
     p = _step(handle)
-    return conv_step(x_nc, weight_ck, conv[layer_idx], p.state_slots, p.ctx_lens == 0,
+    return conv_step(x_nc, weight_ck, conv[layer_idx], p.state_slots, p.state_fresh,
                      p.qo_indptr_host, p.is_decode, activation, kernels)
 
 
@@ -57,7 +57,7 @@ def state_delta_rule(q_nhk: torch.Tensor, k_nhk: torch.Tensor, v_nhv: torch.Tens
     for the step the pool was planned for."""
     p = _step(handle)
     return delta_rule_step(q_nhk, k_nhk, v_nhv, g_nh, beta_nh, recurrent[layer_idx],
-                           p.state_slots, p.ctx_lens == 0, p.qo_indptr, p.is_decode, kernels,
+                           p.state_slots, p.state_fresh, p.qo_indptr, p.is_decode, kernels,
                            qo_indptr_host=p.qo_indptr_host)
 
 
