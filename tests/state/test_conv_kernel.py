@@ -90,6 +90,7 @@ def test_conv_step_takes_the_kernel_only_when_on(device, monkeypatch):
     kernels.conv_step(x, weight, pool[1].clone(), slots, fresh, **step)
     assert not calls
     monkeypatch.setattr(kernels, "DECODE_CONV_KERNEL", True)
-    got = kernels.conv_step(x, weight, pool[1].clone(), slots, fresh, **step)
+    # As the model calls it: fresh rows as the plan's int64 flags (StepPlan.state_fresh).
+    got = kernels.conv_step(x, weight, pool[1].clone(), slots, fresh.long(), **step)
     assert calls == [1]
     torch.testing.assert_close(got[:3], want[:3], atol=1e-6, rtol=1e-6)

@@ -73,8 +73,9 @@ def test_decode_kernel_updates_the_pool_in_place_like_the_reference(dtype, throu
     if through == "kernel":
         got_out = decode_step_in_place(*inputs, got_states, slots, fresh)
     else:
-        got_out = delta_rule_step(*inputs, got_states, slots, fresh, qo_indptr=None, decode=True,
-                                  kernels="fla")
+        # As the model calls it: fresh rows as the plan's int64 flags (StepPlan.state_fresh).
+        got_out = delta_rule_step(*inputs, got_states, slots, fresh.long(), qo_indptr=None,
+                                  decode=True, kernels="fla")
     assert got_out.dtype == dtype and got_out.shape == (ROWS, HV, DV)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2**-7)
     real = slice(0, 3)  # padding rows' outputs are NaN-free garbage nobody reads
