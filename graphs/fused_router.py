@@ -5,8 +5,8 @@ transformers' routers run the choice as separate ops after their GEMM: a softmax
 routers; a sigmoid, a bias, two or three ``topk``, a scatter, a mask, a gather and the
 normalisation for DeepSeek's and GLM's. At one token they are latency-bound: 0.55 ms of a
 Qwen3-30B-A3B decode step of 4.2 ms (run 59, BENCHMARKS.md). Here one program per token keeps
-its router logits in registers and picks its experts by k rounds of max; same values, one
-kernel.
+its router logits in registers and picks its experts by k rounds of max: the same experts (up
+to the order of equal values) and weights, in one kernel.
 
 Two router kinds, recognised by their forward's source (``kind_of``); any other router, or one
 whose forward differs, keeps its own:
