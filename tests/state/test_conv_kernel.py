@@ -1,7 +1,7 @@
-"""torch_cp's in-place decode kernel for the causal conv (state/conv_kernel.py) against the torch
-decode path of ``kernels.conv_step`` (the reference: transformers' conv update on states
-gathered out of the pool and scattered back). On CUDA it runs compiled (a ``gpu`` test); without
-CUDA, in Triton's interpreter (tests/conftest.py).
+"""torch_cp's in-place kernels for the causal conv (state/conv_kernel.py) against the torch
+path of ``kernels.conv_step`` (the reference: transformers' conv on states gathered out of the
+pool and scattered back), for decode steps and multi-token steps. On CUDA they run compiled (a
+``gpu`` test); without CUDA, in Triton's interpreter (tests/conftest.py).
 
 Rows: a resuming row, fresh rows (they read the zero slot, never their own, which holds NaN
 here), and padding rows on the sink slot (NaN too). Channels not a multiple of the kernel's
@@ -10,11 +10,13 @@ projection, one layer of a [layers, slots, C, K - 1] pool.
 
 - The written states are pure data movement (the window shifted by one): bit for bit the
   reference's; no other slot or layer changes; the zero slot stays zero.
-- Outputs: fp32 within 1e-6 (a sum of four products in another order); bf16 within one bf16
-  ulp (rtol 2**-7) compiled, where Triton rounds to nearest as torch does; within two in
-  Triton's interpreter, which truncates at both roundings (the conv's sum, then SiLU).
-- Through ``conv_step`` with ``kernels="fla"`` (``DECODE_CONV_KERNEL`` on) the kernel runs;
-  with it off, the torch path.
+- Outputs: within ``TOLERANCE`` (fp32 1e-6; bf16 one or two ulps and a rounding of the
+  products, why below).
+- A multi-token step: rows of 0, 1, 2, 7 and 37 tokens (shorter and longer than the conv's
+  window, one over two of the kernel's token blocks), fresh and resuming, token padding past the
+  rows (zeros out): the same, through both kernels at once.
+- Through ``conv_step`` with ``kernels="fla"`` (``CONV_KERNELS`` on) the kernels run; with it
+  off, the torch path.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ import torch
 from torch_cp.state import kernels
 
 triton = pytest.importorskip("triton", reason="the kernel is Triton (CPU: its interpreter)")
-from torch_cp.state.conv_kernel import BLOCK_C, conv_step_in_place  # noqa: E402
+from torch_cp.state.conv_kernel import (  # noqa: E402
+    BLOCK_C,
+    conv_rows_in_place,
+    conv_step_in_place,
+)
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
                 torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")),
@@ -34,6 +40,17 @@ ROWS, CHANNELS, K, SLOTS, LAYERS = 5, BLOCK_C + 40, 4, 8, 2
 SINK, ZERO = SLOTS, SLOTS + 1
 SLOTS_B = [3, 0, 5, SINK, SINK]  # row 0 resumes, 1 and 2 are fresh, 3 and 4 are padding
 FRESH_B = [False, True, True, True, True]
+
+
+# fp32: a sum of four products in another order. bf16: one bf16 ulp of the output (2**-7
+# relative) compiled, where Triton rounds to nearest as torch does, two in the interpreter, which
+# truncates at both roundings (the sum, then SiLU); and 2**-8 absolute, one bf16 rounding of the
+# products (~0.5 here), which torch's bf16 conv1d on the CPU makes: where the four products
+# cancel, that is many ulps of the output.
+TOLERANCE = {(torch.float32, "cpu"): dict(atol=1e-6, rtol=1e-6),
+             (torch.float32, "cuda"): dict(atol=1e-6, rtol=1e-6),
+             (torch.bfloat16, "cpu"): dict(atol=2**-8, rtol=2 * 2**-7),
+             (torch.bfloat16, "cuda"): dict(atol=2**-8, rtol=2**-7)}
 
 
 def case(dtype, device):
@@ -62,9 +79,7 @@ def test_conv_kernel_updates_the_pool_in_place_like_the_reference(dtype, device)
     before = pool.clone()
     got = conv_step_in_place(x, weight, pool[1], slots, fresh)
     assert got.dtype == dtype
-    ulps = 1 if device == "cuda" else 2  # the interpreter truncates both roundings
-    tol = (dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32
-           else dict(atol=0, rtol=ulps * 2**-7))
+    tol = TOLERANCE[dtype, device]
     torch.testing.assert_close(got[:3], want[:3], **tol)  # padding rows' outputs are not used
     real = [3, 0, 5]  # the written slots of real rows: bit for bit
     assert torch.equal(pool[1, real], want_pool[1, real])
@@ -76,21 +91,61 @@ def test_conv_kernel_updates_the_pool_in_place_like_the_reference(dtype, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_conv_step_takes_the_kernel_only_when_on(device, monkeypatch):
+def test_conv_step_takes_the_kernels_only_when_on(device, monkeypatch):
     x, weight, pool, slots, fresh = case(torch.float32, device)
     calls = []
     from torch_cp.state import conv_kernel
 
-    real = conv_kernel.conv_step_in_place
-    monkeypatch.setattr(conv_kernel, "conv_step_in_place",
-                        lambda *a: calls.append(1) or real(*a))
-    step = dict(qo_indptr=None, decode=True, activation="silu", kernels="fla")
+    for name in ("conv_step_in_place", "conv_rows_in_place"):
+        real = getattr(conv_kernel, name)
+        monkeypatch.setattr(conv_kernel, name,
+                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    qo = torch.arange(ROWS + 1, dtype=torch.int32)  # one token a row, as a multi-token step
+    steps = [dict(qo_indptr=None, decode=True), dict(qo_indptr=qo.to(device), decode=False,
+                                                     qo_indptr_host=qo)]
     want = reference(x, weight, pool[1].clone(), slots, fresh)
-    monkeypatch.setattr(kernels, "DECODE_CONV_KERNEL", False)
-    kernels.conv_step(x, weight, pool[1].clone(), slots, fresh, **step)
+    monkeypatch.setattr(kernels, "CONV_KERNELS", False)
+    for step in steps:
+        kernels.conv_step(x, weight, pool[1].clone(), slots, fresh, activation="silu",
+                          kernels="fla", **step)
     assert not calls
-    monkeypatch.setattr(kernels, "DECODE_CONV_KERNEL", True)
-    # As the model calls it: fresh rows as the plan's int64 flags (StepPlan.state_fresh).
-    got = kernels.conv_step(x, weight, pool[1].clone(), slots, fresh.long(), **step)
-    assert calls == [1]
-    torch.testing.assert_close(got[:3], want[:3], atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(kernels, "CONV_KERNELS", True)
+    for step in steps:
+        # As the model calls it: fresh rows as the plan's int64 flags (StepPlan.state_fresh).
+        got = kernels.conv_step(x, weight, pool[1].clone(), slots, fresh.long(),
+                                activation="silu", kernels="fla", **step)
+        torch.testing.assert_close(got[:3], want[:3], atol=1e-6, rtol=1e-6)
+    assert calls == ["conv_step_in_place", "conv_rows_in_place"]
+
+
+ROW_LENGTHS = [7, 0, 37, 1, 2]  # tokens of each row
+ROW_SLOTS = [3, 0, 5, 6, 2]
+ROW_FRESH = [False, True, True, False, False]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_token_kernels_update_the_pool_in_place_like_the_reference(dtype, device):
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(SLOTS + 2, CHANNELS, K - 1, generator=g)
+    pool[0] = float("nan")  # the fresh rows' own slots: never read
+    pool[5] = float("nan")
+    pool[ZERO] = 0
+    bounds = [0]
+    for n in ROW_LENGTHS:
+        bounds.append(bounds[-1] + n)
+    x = torch.randn(bounds[-1] + 3, CHANNELS, generator=g)  # 3 tokens of padding past the rows
+    weight = torch.randn(CHANNELS, K, generator=g) / 2
+    x, weight, pool = x.to(device, dtype), weight.to(device, dtype), pool.to(device, dtype)
+    slots = torch.tensor(ROW_SLOTS, device=device)
+    fresh = torch.tensor(ROW_FRESH, device=device).long()
+    qo_host = torch.tensor(bounds, dtype=torch.int32)
+    want_pool = pool.clone()
+    want = kernels.conv_step(x, weight, want_pool, slots, fresh, qo_host, False, "silu")
+    got_pool = pool.clone()
+    got = conv_rows_in_place(x, weight, got_pool, slots, fresh, qo_host.to(device), qo_host)
+    tol = TOLERANCE[dtype, device]
+    torch.testing.assert_close(got, want, **tol)
+    assert not got[bounds[-1]:].any(), "tokens past the rows: zeros"
+    torch.testing.assert_close(got_pool, want_pool, atol=0, rtol=0, equal_nan=True)
+    assert not got_pool[ZERO].any()

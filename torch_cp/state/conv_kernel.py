@@ -24,6 +24,7 @@ import triton.language as tl
 from torch_cp.state.kernels import int_flags
 
 BLOCK_C = 128
+BLOCK_T = 16  # tokens a program of a multi-token step computes
 
 
 @triton.jit
@@ -70,4 +71,97 @@ def conv_step_in_place(x_bc: torch.Tensor, weight_ck: torch.Tensor, states: torc
             x_bc, weight_ck, states, slots_b, int_flags(fresh_b), out, states.shape[0] - 1,
             channels, x_bc.stride(0), weight_ck.stride(0), states.stride(0), states.stride(1),
             out.stride(0), WIDTH=width, K_PAD=triton.next_power_of_2(width + 1), BC=BLOCK_C)
+    return out
+
+
+@triton.jit
+def _window_input(x_ptr, states_ptr, p, c, in_c, start, end, source, x_sn, s_slot, s_c,
+                  WIDTH: tl.constexpr):
+    """Inputs at positions ``p`` [BT] (of a row of tokens ``[start, end)``) of channels ``c``
+    [BC]: the packed input from the row's start on, the row's conv state before it."""
+    from_x = (p >= start) & (p < end)
+    from_state = (p < start) & (p >= start - WIDTH)
+    x = tl.load(x_ptr + p[:, None] * x_sn + c[None, :],
+                mask=from_x[:, None] & in_c[None, :], other=0.0)
+    cell = WIDTH - (start - p)
+    prev = tl.load(states_ptr + source * s_slot + c[None, :] * s_c + cell[:, None],
+                   mask=from_state[:, None] & in_c[None, :], other=0.0)
+    return tl.where(from_x[:, None], x.to(prev.dtype), prev)
+
+
+@triton.jit
+def _conv_rows(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, qo_ptr, out_ptr, zero_slot,
+               channels, x_sn, w_sc, s_slot, s_c, out_sn, WIDTH: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.load(qo_ptr + row) + tl.program_id(1) * BT + tl.arange(0, BT)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    in_c = c < channels
+    start, end = tl.load(qo_ptr + row), tl.load(qo_ptr + row + 1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    source = tl.where(tl.load(fresh_ptr + row) != 0, zero_slot, slot).to(tl.int64)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for k in tl.static_range(WIDTH + 1):  # window position k: input at t - WIDTH + k
+        window = _window_input(x_ptr, states_ptr, t - WIDTH + k, c, in_c, start, end, source,
+                               x_sn, s_slot, s_c, WIDTH)
+        w = tl.load(w_ptr + c * w_sc + k, mask=in_c, other=0.0)
+        acc += window.to(tl.float32) * w.to(tl.float32)[None, :]
+    conv = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    out = conv / (1.0 + tl.exp(-conv))
+    tl.store(out_ptr + t[:, None] * out_sn + c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(t < end)[:, None] & in_c[None, :])
+
+
+@triton.jit
+def _conv_rows_state(x_ptr, states_ptr, slots_ptr, fresh_ptr, qo_ptr, zero_slot, channels,
+                     x_sn, s_slot, s_c, WIDTH: tl.constexpr, W_PAD: tl.constexpr,
+                     BC: tl.constexpr):
+    # After _conv_rows (which reads the old states): each row's last WIDTH inputs.
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    in_c = c < channels
+    start, end = tl.load(qo_ptr + row), tl.load(qo_ptr + row + 1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    source = tl.where(tl.load(fresh_ptr + row) != 0, zero_slot, slot).to(tl.int64)
+    j = tl.arange(0, W_PAD)
+    last = _window_input(x_ptr, states_ptr, end - WIDTH + j, c, in_c, start, end, source,
+                         x_sn, s_slot, s_c, WIDTH)  # [W_PAD, BC], read whole before the write
+    tl.store(states_ptr + slot * s_slot + c[None, :] * s_c + j[:, None], last,
+             mask=(j < WIDTH)[:, None] & in_c[None, :])
+
+
+def conv_rows_in_place(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
+                       slots_b: torch.Tensor, fresh_b: torch.Tensor, qo_indptr: torch.Tensor,
+                       qo_indptr_host: torch.Tensor) -> torch.Tensor:
+    """A multi-token step: row b's tokens ``x_nc[qo_indptr[b]:qo_indptr[b + 1]]`` [N, C]
+    through the depthwise causal conv ``weight_ck`` [C, K] and SiLU, after the row's conv state
+    (slot ``slots_b[b]`` of ``states`` [slots, C, K - 1]; the last slot where ``fresh_b``), which
+    then takes the row's last K - 1 inputs. Two kernels for every row at once, where the torch
+    path loops over the rows; ``qo_indptr_host`` (the same bounds on the host) sizes the grid.
+    Returns [N, C] in x's dtype (tokens past the rows: zeros)."""
+    tokens, channels = x_nc.shape
+    width = weight_ck.shape[1] - 1
+    assert states.shape[1:] == (channels, width) and states.stride(2) == 1
+    bounds = qo_indptr_host.tolist()
+    rows = len(bounds) - 1
+    x_nc = x_nc if x_nc.stride(1) == 1 else x_nc.contiguous()
+    weight_ck = weight_ck if weight_ck.stride(1) == 1 else weight_ck.contiguous()
+    out = (torch.empty if bounds[-1] == tokens else torch.zeros)(
+        tokens, channels, dtype=x_nc.dtype, device=x_nc.device)
+    if rows == 0:
+        return out
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    fresh = int_flags(fresh_b)
+    common = dict(zero_slot=states.shape[0] - 1, channels=channels)
+    with torch.cuda.device(states.device) if states.is_cuda else contextlib.nullcontext():
+        if longest:
+            _conv_rows[(rows, triton.cdiv(longest, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+                x_nc, weight_ck, states, slots_b, fresh, qo_indptr, out, **common,
+                x_sn=x_nc.stride(0), w_sc=weight_ck.stride(0), s_slot=states.stride(0),
+                s_c=states.stride(1), out_sn=out.stride(0), WIDTH=width, BT=BLOCK_T,
+                BC=BLOCK_C)
+        _conv_rows_state[(rows, triton.cdiv(channels, BLOCK_C))](
+            x_nc, states, slots_b, fresh, qo_indptr, **common, x_sn=x_nc.stride(0),
+            s_slot=states.stride(0), s_c=states.stride(1), WIDTH=width,
+            W_PAD=triton.next_power_of_2(width), BC=BLOCK_C)
     return out

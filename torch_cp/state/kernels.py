@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch_cp import compat
 
 KERNELS = ("torch", "fla")
-# Whether ``"fla"`` decode steps run the conv through torch_cp's in-place kernel
-# (conv_kernel.py). Off until a GPU run has compiled it (it is tested in Triton's interpreter).
-DECODE_CONV_KERNEL = False
+# Whether ``"fla"`` steps run the conv through torch_cp's in-place kernels (conv_kernel.py).
+# Off until a GPU run has compiled them (they are tested in Triton's interpreter).
+CONV_KERNELS = False
 
 
 def fla_available() -> bool:
@@ -58,19 +58,26 @@ def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def conv_step(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
-              slots_b: torch.Tensor, fresh_b: torch.Tensor, qo_indptr: torch.Tensor,
-              decode: bool, activation: str, kernels: str = "torch") -> torch.Tensor:
+              slots_b: torch.Tensor, fresh_b: torch.Tensor, qo_indptr: torch.Tensor | None,
+              decode: bool, activation: str, kernels: str = "torch",
+              qo_indptr_host: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise conv of packed inputs ``x_nc`` [N, C] with ``weight_ck`` [C, K].
 
     ``states`` [slots, C, K - 1]: one layer's conv states (the last slot: zeros, never written),
     updated in place for each row's slot ``slots_b`` [B]. Returns the activated conv output
-    [N, C] (tokens past the rows: zeros). With ``kernels="fla"`` a SiLU decode step runs
-    torch_cp's in-place kernel (``conv_kernel.py``) once ``DECODE_CONV_KERNEL`` is on.
+    [N, C] (tokens past the rows: zeros). ``qo_indptr`` [B + 1]: row bounds (device; None for a
+    decode step), ``qo_indptr_host`` the same on the host (default: ``qo_indptr``). With
+    ``kernels="fla"`` and SiLU, torch_cp's in-place kernels (``conv_kernel.py``) run the step
+    once ``CONV_KERNELS`` is on.
     """
-    if decode and kernels == "fla" and activation == "silu" and DECODE_CONV_KERNEL:
-        from torch_cp.state.conv_kernel import conv_step_in_place
+    if kernels == "fla" and activation == "silu" and CONV_KERNELS:
+        from torch_cp.state import conv_kernel
 
-        return conv_step_in_place(x_nc, weight_ck, states, slots_b, fresh_b)
+        if decode:
+            return conv_kernel.conv_step_in_place(x_nc, weight_ck, states, slots_b, fresh_b)
+        return conv_kernel.conv_rows_in_place(
+            x_nc, weight_ck, states, slots_b, fresh_b, qo_indptr,
+            qo_indptr if qo_indptr_host is None else qo_indptr_host)
     width = weight_ck.shape[1] - 1
     prev_bck = _start(states, slots_b, fresh_b)
     conv_weight = weight_ck.unsqueeze(1)
@@ -80,7 +87,7 @@ def conv_step(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
         out_nc = F.conv1d(window_bck.to(weight_ck.dtype), conv_weight, groups=channels)[..., 0]
         states.index_copy_(0, slots_b, window_bck[..., 1:])
         return _activate(out_nc, activation).to(x_nc.dtype)
-    bounds = qo_indptr.tolist()
+    bounds = (qo_indptr if qo_indptr_host is None else qo_indptr_host).tolist()
     out_nc = torch.zeros_like(x_nc)
     new_bck = torch.empty_like(prev_bck)
     for b in range(slots_b.shape[0]):

@@ -41,7 +41,8 @@ def state_conv(x_nc: torch.Tensor, weight_ck: torch.Tensor, conv: torch.Tensor, 
     the pool was planned for."""
     p = _step(handle)
     return conv_step(x_nc, weight_ck, conv[layer_idx], p.state_slots, p.state_fresh,
-                     p.qo_indptr_host, p.is_decode, activation, kernels)
+                     p.qo_indptr, p.is_decode, activation, kernels,
+                     qo_indptr_host=p.qo_indptr_host)
 
 
 @state_conv.register_fake
