@@ -293,8 +293,10 @@ class Planned:
     context lengths (0: fresh), row bounds and kind."""
 
     def __init__(self, slots_b, fresh_b, qo, decode):
+        token_row = torch.repeat_interleave(torch.arange(qo.shape[0] - 1), qo.diff())
         self.step = SimpleNamespace(state_slots=slots_b, state_fresh=fresh_b.long(),
-                                    qo_indptr=qo, qo_indptr_host=qo, is_decode=decode)
+                                    qo_indptr=qo, qo_indptr_host=qo, is_decode=decode,
+                                    token_row=token_row)
         self.handle = register_pool(self)
 
 

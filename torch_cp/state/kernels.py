@@ -60,24 +60,26 @@ def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 def conv_step(x_nc: torch.Tensor, weight_ck: torch.Tensor, states: torch.Tensor,
               slots_b: torch.Tensor, fresh_b: torch.Tensor, qo_indptr: torch.Tensor | None,
               decode: bool, activation: str, kernels: str = "torch",
-              qo_indptr_host: torch.Tensor | None = None) -> torch.Tensor:
+              qo_indptr_host: torch.Tensor | None = None,
+              token_row: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise conv of packed inputs ``x_nc`` [N, C] with ``weight_ck`` [C, K].
 
     ``states`` [slots, C, K - 1]: one layer's conv states (the last slot: zeros, never written),
     updated in place for each row's slot ``slots_b`` [B]. Returns the activated conv output
     [N, C] (tokens past the rows: zeros). ``qo_indptr`` [B + 1]: row bounds (device; None for a
-    decode step), ``qo_indptr_host`` the same on the host (default: ``qo_indptr``). With
-    ``kernels="fla"`` and SiLU, torch_cp's in-place kernels (``conv_kernel.py``) run the step
-    once ``CONV_KERNELS`` is on.
+    decode step), ``qo_indptr_host`` the same on the host (default: ``qo_indptr``), and
+    ``token_row`` [N] each token's row (-1 past the rows; the plan's). With ``kernels="fla"``,
+    SiLU and the pool in the weight's dtype, torch_cp's in-place kernels (``conv_kernel.py``)
+    run the step once ``CONV_KERNELS`` is on.
     """
-    if kernels == "fla" and activation == "silu" and CONV_KERNELS:
+    if (kernels == "fla" and activation == "silu" and CONV_KERNELS
+            and states.dtype == weight_ck.dtype):
         from torch_cp.state import conv_kernel
 
         if decode:
             return conv_kernel.conv_step_in_place(x_nc, weight_ck, states, slots_b, fresh_b)
-        return conv_kernel.conv_rows_in_place(
-            x_nc, weight_ck, states, slots_b, fresh_b, qo_indptr,
-            qo_indptr if qo_indptr_host is None else qo_indptr_host)
+        return conv_kernel.conv_rows_in_place(x_nc, weight_ck, states, slots_b, fresh_b,
+                                              qo_indptr, token_row)
     width = weight_ck.shape[1] - 1
     prev_bck = _start(states, slots_b, fresh_b)
     conv_weight = weight_ck.unsqueeze(1)

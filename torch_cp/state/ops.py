@@ -42,7 +42,7 @@ def state_conv(x_nc: torch.Tensor, weight_ck: torch.Tensor, conv: torch.Tensor, 
     p = _step(handle)
     return conv_step(x_nc, weight_ck, conv[layer_idx], p.state_slots, p.state_fresh,
                      p.qo_indptr, p.is_decode, activation, kernels,
-                     qo_indptr_host=p.qo_indptr_host)
+                     qo_indptr_host=p.qo_indptr_host, token_row=p.token_row)
 
 
 @state_conv.register_fake
