@@ -74,10 +74,14 @@ def available(name: str, device: torch.device) -> bool:
     return name != "torch_cp_fused" or register_fused(device)
 
 
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every MoE block of ``model`` (modules with an ``experts`` child)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+
+
 def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``experts`` of every MoE block of ``model`` (modules with an ``experts`` child)."""
-    return [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None),
-                                                             nn.Module)]
+    """The ``experts`` of every MoE block of ``model``."""
+    return [m.experts for m in moe_blocks(model)]
 
 
 def _dispatches(experts: nn.Module) -> bool:

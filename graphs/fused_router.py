@@ -27,9 +27,6 @@ at each call.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import re
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +34,9 @@ import triton
 import triton.language as tl
 from torch import nn
 from torch.nn import functional as F
+
+from torch_cp.graphs.experts import moe_blocks
+from torch_cp.layers import forward_source
 
 # Fragments of transformers' router forwards (whitespace removed) that say what they compute.
 SOFTMAX_LINES = ("hidden_states=hidden_states.reshape(-1,self.hidden_dim)",
@@ -124,16 +124,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logi
     tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
 
 
-def _squeezed(source: str) -> str:
-    return re.sub(r"\s+", "", source)
-
-
-@functools.cache
 def _kind_of_class(cls: type) -> str | None:
-    try:
-        source = _squeezed(inspect.getsource(cls.forward))
-    except (OSError, TypeError):  # no source to read: left as it is
-        return None
+    source = forward_source(cls)
     if all(line in source for line in SOFTMAX_LINES):
         return "softmax"
     if all(line in source for line in SIGMOID_LINES):
@@ -160,7 +152,7 @@ def routing_of(router: nn.Module) -> Routing | None:
     if kind is None:
         return None
     experts, top_k = router.num_experts, router.top_k
-    source = _squeezed(inspect.getsource(type(router).forward))
+    source = forward_source(type(router))
     normalise = (bool(router.norm_topk_prob) if CONDITIONAL_NORM in source
                  else kind == "sigmoid" or SOFTMAX_NORM in source)
     if kind == "softmax":
@@ -180,9 +172,8 @@ def kind_of(router: nn.Module) -> str | None:
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """The routers of ``model``'s MoE blocks (``gate`` beside ``experts``) the kernel computes."""
-    return [m.gate for m in model.modules()
-            if isinstance(getattr(m, "experts", None), nn.Module)
-            and isinstance(getattr(m, "gate", None), nn.Module) and routing_of(m.gate)]
+    return [b.gate for b in moe_blocks(model)
+            if isinstance(getattr(b, "gate", None), nn.Module) and routing_of(b.gate)]
 
 
 def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None = None

@@ -24,13 +24,13 @@ clones shared tensors), ``safetensors.torch.save_file`` refuses it; unpatch firs
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torch_cp.layers import forward_source
 
 # The input projections of the modules torch_cp's families run, in the order their forwards
 # unpack them; a module takes the first group whose linears it has.
@@ -41,8 +41,9 @@ IN_PROJECTIONS = (
     ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),               # Qwen3.5 DeltaNet
     ("in_proj_qkvz", "in_proj_ba"),                                       # Qwen3-Next DeltaNet
 )
-# transformers' gated MLP, the same line in every family that has gate_proj and up_proj.
-GATED_MLP_LINE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+# transformers' gated MLP, the same line in every family that has gate_proj and up_proj
+# (whitespace removed, as ``forward_source`` gives it).
+GATED_MLP_LINE = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
 
 
 def fusable(linears: Sequence[nn.Module], meta: bool = False) -> bool:
@@ -199,16 +200,7 @@ def gated_mlps(model: nn.Module) -> list[nn.Module]:
     ``up_proj`` (dense decoder MLPs and shared experts)."""
     return [m for m in model.modules()
             if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            and _gated_forward(type(m))]
-
-
-@functools.cache
-def _gated_forward(cls: type) -> bool:
-    """Whether ``cls.forward`` is transformers' gated MLP (its source read once per class)."""
-    try:
-        return GATED_MLP_LINE in inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # no source to read: left as it is
-        return False
+            and GATED_MLP_LINE in forward_source(type(m))]
 
 
 def fuse_gate_up(mlp: nn.Module):

@@ -1,11 +1,25 @@
 """Finding the parts of a transformers decoder model: its decoder layers, their MLPs and their
-attention modules (what patching, TP sharding and regional compilation walk)."""
+attention modules (what patching, TP sharding and regional compilation walk), and what a
+module class's forward computes (its source)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Iterable
 
 from torch import nn
+
+
+@functools.cache
+def forward_source(cls: type) -> str:
+    """``cls.forward``'s source with every whitespace removed, read once per class ("" when it
+    has none to read), for recognising transformers' forwards by the lines they run."""
+    try:
+        return re.sub(r"\s+", "", inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return ""
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
