@@ -31,6 +31,21 @@ BLOCK_T = 16  # tokens a program of a multi-token step computes
 
 
 @triton.jit
+def _slots(slots_ptr, fresh_ptr, row, zero_slot):
+    """(slot written, slot read) of rows ``row``: the row's own, and the zero slot when fresh."""
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    return slot, tl.where(tl.load(fresh_ptr + row) != 0, zero_slot, slot).to(tl.int64)
+
+
+@triton.jit
+def _activated(conv, w_ptr):
+    """The conv's float32 sum rounded to the weight's dtype, then SiLU in float32, as the torch
+    path rounds (conv1d in the weight's dtype, then the activation)."""
+    conv = conv.to(w_ptr.dtype.element_ty).to(tl.float32)
+    return conv / (1.0 + tl.exp(-conv))
+
+
+@triton.jit
 def _conv_step(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, out_ptr, zero_slot, channels,
                x_sn, w_sc, s_slot, s_c, out_sn, WIDTH: tl.constexpr, K_PAD: tl.constexpr,
                BC: tl.constexpr):
@@ -38,8 +53,7 @@ def _conv_step(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, out_ptr, zero_slo
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = c < channels
     t = tl.arange(0, K_PAD)  # window position: 0..WIDTH - 1 the state, WIDTH the new input
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    source = tl.where(tl.load(fresh_ptr + row) != 0, zero_slot, slot).to(tl.int64)
+    slot, source = _slots(slots_ptr, fresh_ptr, row, zero_slot)
     cells = c[:, None] * s_c + t[None, :]
     prev = tl.load(states_ptr + source * s_slot + cells,
                    mask=in_c[:, None] & (t[None, :] < WIDTH), other=0.0)
@@ -47,9 +61,7 @@ def _conv_step(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, out_ptr, zero_slo
     window = tl.where(t[None, :] == WIDTH, x[:, None], prev)
     w = tl.load(w_ptr + c[:, None] * w_sc + t[None, :],
                 mask=in_c[:, None] & (t[None, :] <= WIDTH), other=0.0)
-    conv = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
-    conv = conv.to(w.dtype).to(tl.float32)
-    out = conv / (1.0 + tl.exp(-conv))
+    out = _activated(tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1), w_ptr)
     tl.store(out_ptr + row * out_sn + c, out.to(out_ptr.dtype.element_ty), mask=in_c)
     tl.store(states_ptr + slot * s_slot + cells - 1, window,
              mask=in_c[:, None] & (t[None, :] >= 1) & (t[None, :] <= WIDTH))
@@ -99,9 +111,7 @@ def _row_of(qo_ptr, slots_ptr, fresh_ptr, row, real, zero_slot):
     row = tl.where(real, row, 0)
     start = tl.load(qo_ptr + row).to(tl.int64)
     end = tl.load(qo_ptr + row + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    source = tl.where(tl.load(fresh_ptr + row) != 0, zero_slot, slot).to(tl.int64)
-    return start, end, source
+    return start, end, _slots(slots_ptr, fresh_ptr, row, zero_slot)[1]
 
 
 @triton.jit
@@ -122,8 +132,7 @@ def _conv_tokens(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, qo_ptr, token_r
                                x_sn, s_slot, s_c, WIDTH)
         w = tl.load(w_ptr + c * w_sc + k, mask=in_c, other=0.0)
         acc += window.to(tl.float32) * w.to(tl.float32)[None, :]
-    conv = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.where(real[:, None], conv / (1.0 + tl.exp(-conv)), 0.0)
+    out = tl.where(real[:, None], _activated(acc, w_ptr), 0.0)
     tl.store(out_ptr + t[:, None] * out_sn + c[None, :], out.to(out_ptr.dtype.element_ty),
              mask=in_t[:, None] & in_c[None, :])
 
