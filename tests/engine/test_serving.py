@@ -13,6 +13,7 @@ import torch
 from driver import tiny_model
 
 import torch_cp
+from torch_cp.engine import generation
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
 
@@ -172,6 +173,72 @@ def test_bad_requests_end_with_an_error_and_the_others_run(hf_tokens):
     assert reasons[bad] == "error" and got[good] == hf_tokens[1]
     with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
         e.submit(PROMPTS[1], NEW, stop_strings=["x"])
+
+
+def test_a_str_is_one_stop_string_and_an_int_one_stop_token(hf_tokens):
+    """As transformers takes them: ``stop_strings="ab"`` is the string "ab", not "a" and "b"."""
+    tok = tiny_tokenizer()
+    prompt, generated = PROMPTS[3], hf_tokens[3]
+    first = next(t for t in generated if tok.decode([t]).isascii() and tok.decode([t]).isalnum())
+    stop = tok.decode([first]) + "\x07"  # a generated token's text, then a byte never generated
+    with torch.no_grad():
+        ref = tiny_qwen3().generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                                    stop_strings=stop, tokenizer=tok)[0, len(prompt):].tolist()
+    e = engine()
+    by_str = e.submit(prompt, NEW, stop_strings=stop, tokenizer=tok)
+    by_int = e.submit(prompt, NEW, stop_token_ids=first)
+    got, reasons = collect(e.stream())
+    assert got[by_str] == ref == generated and reasons[by_str] == "length"
+    assert got[by_int] == generated[:generated.index(first) + 1] and reasons[by_int] == "stop"
+
+
+def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
+    e = engine()
+    vocab = tiny_qwen3().config.vocab_size
+    with pytest.raises(ValueError) as caught:
+        e.submit(PROMPTS[1], NEW, sampling={"temperature": 0.5}, stop_token_ids=["7"],
+                 stop_strings=[""], logprobs=vocab + 1)
+    for named in ("sampling must be a SamplingParams", "stop_token_ids must be ints",
+                  "stop_strings must be non-empty strs", "stop_strings need a tokenizer",
+                  f"logprobs must be None or an int in [0, {vocab}]"):
+        assert named in str(caught.value)
+    for k in (True, -1, 2.0):
+        with pytest.raises(ValueError, match="logprobs"):
+            e.submit(PROMPTS[1], NEW, logprobs=k)
+    assert not e.has_unfinished()
+    assert e.submit(PROMPTS[1], NEW, logprobs=vocab) == 0  # the whole vocabulary is allowed
+
+
+def test_run_and_generate_refuse_bad_logprobs_before_anything_runs(monkeypatch):
+    e = engine()
+    with pytest.raises(ValueError, match="logprobs"):
+        e.run(PROMPTS, NEW, logprobs=10**6)
+    assert e.allocator.free_pages == e.allocator.num_pages
+    model = torch_cp.patch_model(tiny_qwen3(), page_size=4)
+    monkeypatch.setattr(generation, "engine_for", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(ValueError, match="logprobs"):
+        torch_cp.generate(model, PROMPTS, NEW, logprobs=-1, progress=False)
+
+
+def test_an_interrupt_after_the_steps_commit_returns_every_page(hf_tokens):
+    """A KeyboardInterrupt in the step's host work after the tokens are committed (here: a stop
+    string's check) ends every request like a fault inside the step: the pool is whole and the
+    engine serves the next request unchanged."""
+    tok = tiny_tokenizer()
+    e = engine()
+    e.submit(PROMPTS[1], NEW)
+    watched = e.submit(PROMPTS[3], NEW, stop_strings=["zz"], tokenizer=tok)
+    e.step()
+
+    def interrupted(ids, scores):
+        raise KeyboardInterrupt("planted")
+    e._options[watched].stop = interrupted
+    with pytest.raises(KeyboardInterrupt, match="planted"):
+        e.step()
+    assert_pool_whole(e)
+    assert not e.has_unfinished()
+    again = e.submit(PROMPTS[1], NEW)
+    assert collect(e.stream())[0][again] == hf_tokens[1]
 
 
 def test_run_refuses_while_submitted_requests_are_unfinished():

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Result,
+    logprobs_problem,
     make_requests,
     new_tokens_per_request,
     normalize_prompts,
@@ -56,6 +57,9 @@ class BatchRuns:
         if self.has_unfinished():
             raise RuntimeError("requests submitted with Engine.submit are unfinished: step or "
                                "abort them before Engine.run")
+        problem = logprobs_problem(logprobs, vocab_size(self.model))
+        if problem:
+            raise ValueError(problem)
         warn_ignored_sampling(sampling)
         self._ahead = self._inflight = None  # request indices restart with every run
         news = new_tokens_per_request(max_new_tokens, len(prompts))

@@ -10,9 +10,11 @@ from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap
 from torch_cp.engine.requests import (
     Result,
     eos_ids,
+    logprobs_problem,
     new_tokens_per_request,
     normalize_prompts,
     pad_token_ids,
+    vocab_size,
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.serving import RequestOutput
@@ -101,7 +103,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         max_new_tokens runs past the model's ``max_position_embeddings`` runs, with a warning.
     Raises:
         ValueError: prompts in no form above, strings or chats without a (chat-capable)
-            tokenizer, a mask that does not fit, a padded tensor without its mask.
+            tokenizer, a mask that does not fit, a padded tensor without its mask, a
+            page size or ``logprobs`` that cannot be (before anything is allocated).
     """
     runtime = runtime_of(model)
     sampling = SamplingParams(temperature, top_k, top_p, seed)
@@ -110,6 +113,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     news = new_tokens_per_request(max_new_tokens, len(token_prompts))
     page_size = runtime.page_size if page_size is None else page_size
     problems = page_size_problems(page_size, runtime.placement.size)
+    problems += filter(None, [logprobs_problem(logprobs, vocab_size(model))])
     if problems:  # before the pool is sized with it
         raise ValueError("; ".join(problems))
     cap = memory_cap_pages(runtime, page_size) if num_pages is None else None

@@ -51,6 +51,15 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capaci
     return "; ".join(problems) or None
 
 
+def logprobs_problem(logprobs, vocab: int) -> str | None:
+    """Why ``logprobs`` (the k most likely tokens to report) is unusable, or None: an int in
+    ``[0, vocab]``, or None for none."""
+    if logprobs is None or (isinstance(logprobs, int) and not isinstance(logprobs, bool)
+                            and 0 <= logprobs <= vocab):
+        return None
+    return f"logprobs must be None or an int in [0, {vocab}] (the vocabulary), got {logprobs!r}"
+
+
 def make_requests(prompts: Sequence[Sequence[int]], news: Sequence[int], vocab: int,
                   capacity: int) -> tuple[list[Request], dict[int, Result]]:
     """(the requests that can run, error results by index of those that cannot)."""

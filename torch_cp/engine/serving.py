@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from torch_cp.engine.requests import check_request, vocab_size
+from torch_cp.engine.requests import check_request, logprobs_problem, vocab_size
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
 
@@ -72,17 +72,28 @@ class Serving:
         self._outputs: list[RequestOutput] = []
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int = 16,
-               sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
-               stop_strings: Sequence[str] = (), tokenizer=None,
+               sampling: SamplingParams | None = None, stop_token_ids: int | Sequence[int] = (),
+               stop_strings: str | Sequence[str] = (), tokenizer=None,
                logprobs: int | None = None) -> int:
         """Queue a request (token ids) for the next step; returns its id. A bad request (see
-        ``check_request``) ends at that step with ``finish_reason="error"``. Stop strings need
-        ``tokenizer``."""
+        ``check_request``) ends at that step with ``finish_reason="error"``; bad options raise a
+        ValueError naming each, and nothing is queued. Stop strings need ``tokenizer``; a str
+        is one stop string and an int one stop token id (as transformers takes them)."""
+        stop_token_ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else \
+            tuple(stop_token_ids)
+        stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
         problems = []
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            problems.append(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+            problems.append(f"stop_token_ids must be ints, got {stop_token_ids!r}")
+        if not all(isinstance(t, str) and t for t in stop_strings):
+            problems.append(f"stop_strings must be non-empty strs, got {stop_strings!r}")
         if stop_strings and tokenizer is None:
             problems.append("stop_strings need a tokenizer")
-        if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
-            problems.append(f"logprobs must be an int >= 0 or None, got {logprobs!r}")
+        problem = logprobs_problem(logprobs, vocab_size(self.model))
+        if problem:
+            problems.append(problem)
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
         stop = None
@@ -121,22 +132,24 @@ class Serving:
         if self._scheduler is None:
             self._scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
         self._outputs = []
-        self._apply(self._decided())
         scheduler = self._scheduler
-        if scheduler.done:
-            return self._outputs
-        reused = scheduler.reused_tokens
+        # From the decisions to the report: whatever raises in between (KeyboardInterrupt too)
+        # ends every request, so no page, slot or option outlives its request.
         try:
+            self._apply(self._decided())
+            if scheduler.done:
+                return self._outputs
+            reused = scheduler.reused_tokens
             prefilled, _, ended = self._step(scheduler, self._sampling_of(), self._generators(),
                                              frozenset())
+            self.prefilled_tokens += prefilled
+            self.reused_tokens += scheduler.reused_tokens - reused
+            self._report(ended)
         except BaseException:
             scheduler.abort_all()
             self._options.clear()
             self._ahead = self._inflight = None
             raise
-        self.prefilled_tokens += prefilled
-        self.reused_tokens += scheduler.reused_tokens - reused
-        self._report(ended)
         return self._outputs
 
     def stream(self) -> Iterator[RequestOutput]:
