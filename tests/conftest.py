@@ -72,3 +72,11 @@ def one_rank_world(tmp_path_factory):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def shape_meshes_are_the_world(monkeypatch):
+    """Validation takes a shape-only mesh (``driver.shape_mesh``) as spanning the whole world,
+    so its other checks can be tested in the one-rank world (``test_validate`` checks the
+    world check itself)."""
+    monkeypatch.setattr("torch_cp.hf.validate.mesh_world_problems", lambda mesh: [])

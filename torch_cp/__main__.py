@@ -102,6 +102,12 @@ def argument_problems(args, cuda: bool) -> list[str]:
         problems.append("--compile compiles the captured step: it needs --cuda-graphs")
     if args.tp < 1 or args.sp < 1:
         problems.append(f"--tp and --sp must be >= 1, got {args.tp} and {args.sp}")
+    if args.max_tokens_per_step < 1:
+        problems.append(f"--max-tokens-per-step must be >= 1, got {args.max_tokens_per_step}")
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:  # --temperature, --top-k, --top-p
+        problems.append(str(e))
     folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
     if folder is not None and not os.path.isdir(folder):
         problems.append(f"--json {args.json}: the folder {folder} does not exist")

@@ -146,6 +146,15 @@ def partner_groups(sp: int, tp: int, num_kv_heads: int, mode: Mode) -> list[list
     return grid.view(sp, tp // replicas, replicas).reshape(-1, replicas).tolist()
 
 
+def mesh_world_problems(mesh: DeviceMesh) -> list[str]:
+    """A mesh that is not the whole world: context parallelism's partner groups are created
+    collectively by every rank of the world."""
+    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
+        return [f"the mesh spans {mesh.mesh.numel()} ranks, not the whole world of "
+                f"{dist.get_world_size()}: build it with torch_cp.init_mesh"]
+    return []
+
+
 def partner_placement(mesh: DeviceMesh | None, mode: Mode, num_kv_heads: int) -> ContextParallel:
     """This rank's placement: TP mode over the TP ranks sharing its KV head (MLA: pass 1 head, so
     all TP ranks), SP mode over the SP ranks of its TP index (the groups of ``partner_groups``).
@@ -155,11 +164,7 @@ def partner_placement(mesh: DeviceMesh | None, mode: Mode, num_kv_heads: int) ->
     if mesh is None:
         return ContextParallel.single()
     tp, sp = mesh.size(AXES.index("tp")), mesh.size(AXES.index("sp"))
-    problems = _partner_problems(mode, num_kv_heads, tp, sp)
-    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
-        # the partner groups below are created collectively by every rank of the world
-        problems.append(f"the mesh spans {mesh.mesh.numel()} ranks, not the whole world of "
-                        f"{dist.get_world_size()}: build it with torch_cp.init_mesh")
+    problems = _partner_problems(mode, num_kv_heads, tp, sp) + mesh_world_problems(mesh)
     if problems:
         raise ValueError("; ".join(problems))
     groups = partner_groups(sp, tp, num_kv_heads, mode)

@@ -18,7 +18,7 @@ from torch_cp import models
 from torch_cp.hf.validate import validate_patch
 from torch_cp.mesh import AXES
 
-pytestmark = pytest.mark.usefixtures("one_rank_world")  # tests/hf/conftest.py
+pytestmark = pytest.mark.usefixtures("one_rank_world", "shape_meshes_are_the_world")
 
 
 def mesh(sp: int, tp: int, names=AXES, device: str = "cpu") -> DeviceMesh:
@@ -203,6 +203,23 @@ def test_valid_settings_resolve():
 def test_model_without_config():
     with pytest.raises(ValueError, match="no config"):
         torch_cp.patch_model(torch.nn.Linear(2, 2))
+
+
+def test_a_mesh_that_is_not_the_world_is_named_with_the_other_problems(monkeypatch):
+    from torch_cp import mesh as mesh_module
+
+    monkeypatch.setattr("torch_cp.hf.validate.mesh_world_problems",
+                        mesh_module.mesh_world_problems)
+    message = problems_of(tiny_model("qwen3", num_key_value_heads=1), context_parallel=True,
+                          mesh=mesh(1, 4), page_size=6)
+    assert "the mesh spans 4 ranks, not the whole world of 1" in message
+    assert "page_size 6 is not a multiple of P = 4" in message
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = tiny_model("qwen3")
+    assert "the model's weights are on the meta device" in problems_of(model)
 
 
 def test_partner_groups_need_the_whole_world():

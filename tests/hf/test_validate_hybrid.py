@@ -16,7 +16,7 @@ from torch_cp.engine import engine as engine_module
 from torch_cp.hf.validate import validate_patch
 from torch_cp.state.kernels import fla_available
 
-pytestmark = pytest.mark.usefixtures("one_rank_world")  # tests/hf/conftest.py
+pytestmark = pytest.mark.usefixtures("one_rank_world", "shape_meshes_are_the_world")
 
 
 def mesh(sp: int, tp: int) -> DeviceMesh:

@@ -173,10 +173,14 @@ def test_the_cli_leaves_torch_cp_generate_the_function():
 
 def test_a_bad_configuration_is_one_clear_line():
     done = spawn([sys.executable, "-m", "torch_cp", "--model", "/nonexistent/ckpt", "--compile",
-                  "--page-size", "0", "--no-progress"])
+                  "--page-size", "0", "--no-progress", "--temperature", "-1", "--top-p", "1.5",
+                  "--max-tokens-per-step", "0"])
     assert_one_clean_line(done, "--model /nonexistent/ckpt: no such folder",
                           "--page-size must be >= 1, got 0",
-                          "--compile compiles the captured step: it needs --cuda-graphs")
+                          "--compile compiles the captured step: it needs --cuda-graphs",
+                          "--max-tokens-per-step must be >= 1, got 0",
+                          "temperature must be finite and >= 0, got -1.0",
+                          "top_p must be in (0, 1] or None, got 1.5")
 
 
 def test_the_console_script_runs_the_cli_one_line_errors_and_all(tmp_path):

@@ -76,7 +76,8 @@ class PagedKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens cached before the current step, for its longest row (rows differ; the patched
-        model takes positions from ``position_ids``, never from this)."""
+        model takes positions from ``position_ids``, which a forward given none gets from the
+        plan: ``hf/model_generate._with_plan_positions``)."""
         if self.plan is None or self.plan.num_rows == 0:
             return 0
         return int(self.plan.ctx_lens.max())

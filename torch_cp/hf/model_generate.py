@@ -134,8 +134,11 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
 
 
 def _plan_before_forward(module, args, kwargs):
-    """Forward pre-hook: plan the step of a ``GenerateCache`` and drop the attention mask."""
+    """Forward pre-hook: plan the step of a ``GenerateCache`` and drop the attention mask; for a
+    plain ``PagedKVCache``, give the plan's positions when the call gives none."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, PagedKVCache) and not isinstance(cache, GenerateCache):
+        return _with_plan_positions(cache.plan, args, kwargs)
     if not isinstance(cache, GenerateCache):
         return None
     # generate() passes keywords; a direct call may pass (input_ids, attention_mask) positionally.
@@ -151,11 +154,14 @@ def _plan_before_forward(module, args, kwargs):
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
                                   batch_size, max_cache_length):
-    """Make a ``GenerateCache`` unless the caller passed a cache or turned caching off."""
+    """Make a ``GenerateCache`` unless the caller passed a cache. ``use_cache=False`` (as a
+    call's argument or a checkpoint's config) is overridden: the patched attention runs from
+    the paged cache alone, and the tokens are the ones generating without a cache gives."""
     user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if user is not None or generation_config.use_cache is False:
+    if user is not None:
         return compat.prepare_cache_default(self, generation_config, model_kwargs,
                                             generation_mode, batch_size, max_cache_length)
+    generation_config.use_cache = True  # generate's own copy; it passes this to each forward
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                          f"supported by a torch_cp-patched model; leave it unset")
@@ -182,3 +188,24 @@ def uninstall_generate(model) -> None:
         hook.remove()
     compat.restore_prepare_cache(model)
     model.__dict__.pop("_torch_cp_generate_installed", None)
+
+
+def _with_plan_positions(plan, args, kwargs):
+    """``position_ids`` [B, S] from the plan's per-token positions when the call passes none:
+    transformers would count them from ``get_seq_length`` alone, one offset for every row, so a
+    packed step whose rows have different contexts would rotate them wrongly."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if plan is None or ids is None or kwargs.get("position_ids") is not None:
+        return None
+    b, s = ids.shape[:2]
+    index, positions = plan.token_index, plan.positions
+    if index is None:
+        if positions.shape[0] != b * s:
+            return None  # the attention names the mismatch
+        position_ids = positions.view(b, s)
+    else:
+        position_ids = positions.new_zeros(b * s).index_copy(
+            0, index, positions[: index.shape[0]]).view(b, s)
+    return args, kwargs | {"position_ids": position_ids}

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_cp.attention.select import BACKEND_NAMES, flashinfer_problems
 from torch_cp.layers import attention_modules, decoder_mlps, linear_modules
-from torch_cp.mesh import AXES, context_parallel_problems
+from torch_cp.mesh import AXES, context_parallel_problems, mesh_world_problems
 from torch_cp.models import Family, family_for
 from torch_cp.placement import ContextParallel, page_size_problems
 from torch_cp.state.kernels import fla_available
@@ -173,6 +173,9 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
         problems.append(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     problems += page_size_problems(page_size, 1)
     dtype, param_device = _model_dtype_device(model)
+    if device is None and param_device is not None and param_device.type == "meta":
+        problems.append("the model's weights are on the meta device: load them before patching "
+                        "(torch_cp.from_pretrained loads and patches a checkpoint)")
     device = param_device if device is None else device
     if dtype not in DTYPES:
         problems.append(f"dtype must be float32, bfloat16 or float16, the model has {dtype}")
@@ -195,6 +198,8 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
                         "(TP mode: tp > kv_heads; SP mode: sp >= 2)")
     elif context_parallel and family is not None and tp is not None and mode in MODES:
         problems += _context_parallel_problems(family.kv_heads(config), mode, tp, sp, page_size)
+    if context_parallel and tp is not None and mesh is not None:
+        problems += mesh_world_problems(mesh)
     if problems:
         return None, problems
     return PatchSettings(family, bool(context_parallel), resolve_mode(mode, sp), backend,
