@@ -206,6 +206,25 @@ def test_the_default_pool_is_capped_by_free_host_memory(model, monkeypatch):
     assert f"at most {cap} pages" in results[2].error
 
 
+def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch):
+    """The cap is half the free host memory less the state pool the engine allocates beside the
+    KV pool (running requests' slots and, with prefix caching, as many checkpoints)."""
+    from torch_cp.engine import memory
+    from torch_cp.tiny import tiny_qwen3_5
+
+    hybrid = torch_cp.patch_model(tiny_qwen3_5(), page_size=16)
+    runtime = hybrid.torch_cp
+    state = engine_module.state_pool_bytes(runtime, prefix_caching=True)
+    assert state == Engine(hybrid, num_pages=1, prefix_caching=True).state_bytes
+    per_page = memory.pool_bytes_per_page(runtime, 16)
+    free = 2 * (state + 10 * per_page)
+    monkeypatch.setattr(memory, "free_host_bytes", lambda: free)
+    results = torch_cp.generate(hybrid, [[5] * (10 * 16), [5] * (10 * 16 + 1)], 1,
+                                prefix_caching=True, progress=False)
+    assert [r.ok for r in results] == [True, False]
+    assert "at most 10 pages" in results[1].error
+
+
 # --- Engine arguments ---
 
 def test_every_bad_engine_argument_is_named_at_once_before_allocation(model, monkeypatch):

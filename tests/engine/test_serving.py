@@ -154,6 +154,22 @@ def test_stop_token_ids_and_stop_strings_stop_where_transformers_does(hf_tokens)
     assert_pool_whole(e)
 
 
+def test_a_stop_with_a_step_launched_ahead_leaves_no_stale_step(hf_tokens):
+    """With overlap planning the step after a stop's is already launched when the stop is seen;
+    once nothing runs, it is settled, so the next request's first step is its own."""
+    e = engine(overlap_planning=True)
+    stopped = e.submit(PROMPTS[1], NEW, stop_token_ids=[hf_tokens[1][1]])
+    got, reasons = collect(e.stream())
+    assert got[stopped] == hf_tokens[1][:2] and reasons[stopped] == "stop"
+    later = e.submit(PROMPTS[2], NEW)
+    steps = e.steps
+    assert [(o.request_id, o.token_ids) for o in e.step()] == [(later, (hf_tokens[2][0],))]
+    assert e.steps == steps + 1
+    got, _ = collect(e.stream())
+    assert got[later] == hf_tokens[2][1:]
+    assert_pool_whole(e)
+
+
 def test_each_request_keeps_its_own_sampling(hf_tokens):
     sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
     e = engine()

@@ -39,6 +39,25 @@ DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_GRAPH_ROWS = 64
 
 
+def state_slot_counts(hybrid: bool, max_rows: int | None, prefix_caching: bool,
+                      state_checkpoints: int | None) -> tuple[int, int]:
+    """(slots of running requests, checkpoint slots) of an ``Engine``'s state pool: a hybrid
+    model's running requests hold one each (``max_rows`` of them), and prefix caching keeps as
+    many state checkpoints unless ``state_checkpoints`` says."""
+    running = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
+    return running, (state_checkpoints or running) if prefix_caching else 0
+
+
+def state_pool_bytes(runtime, max_rows: int | None = None, prefix_caching: bool = False,
+                     state_checkpoints: int | None = None) -> int:
+    """Bytes of the state pool an ``Engine`` with these arguments allocates on this rank (0 for
+    a model without linear attention): what a default KV pool leaves free for it."""
+    if runtime.linear is None:
+        return 0
+    slots = sum(state_slot_counts(True, max_rows, prefix_caching, state_checkpoints))
+    return (slots + 2) * runtime.linear.slot_bytes(runtime.dtype)  # + the sink and zero slots
+
+
 class Engine(BatchRuns, Serving):
     """A patched model with one placed pool, reused across ``run`` calls (a whole batch,
     ``engine/batch.py``) and requests submitted as they come (``submit`` / ``step`` /
@@ -101,9 +120,8 @@ class Engine(BatchRuns, Serving):
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
         self.max_rows = max_rows
-        # A hybrid model's running requests each hold a state slot: max_rows of them.
-        state_slots = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
-        checkpoints = (state_checkpoints or state_slots) if prefix_caching else 0
+        state_slots, checkpoints = state_slot_counts(hybrid, max_rows, prefix_caching,
+                                                     state_checkpoints)
         self.allocator = (PrefixCachingAllocator(num_pages, page_size, state_slots, checkpoints)
                           if prefix_caching else PageAllocator(num_pages, page_size, state_slots))
         self.pool = self.runtime.new_pool(num_pages, page_size)

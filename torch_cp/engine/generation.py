@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
+from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
 from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
 from torch_cp.engine.requests import (
     Result,
@@ -28,11 +28,19 @@ def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], pag
     ``num_pages`` (default: every request's whole lifetime, capped by free memory) and captured
     buckets as wide as the longest request. ``engine_kwargs`` go to ``Engine``."""
     if num_pages is None:
-        cap = memory_cap_pages(runtime_of(model), page_size)
+        cap = memory_cap_pages(runtime_of(model), page_size,
+                               _state_reserve(model, engine_kwargs))
         num_pages = default_num_pages(prompts, news, page_size, cap)
     widest = max((lifetime_pages(p, n, page_size) for p, n in zip(prompts, news)), default=1)
     return Engine(model, num_pages, page_size, max_pages_per_row=min(widest, num_pages),
                   **engine_kwargs)
+
+
+def _state_reserve(model, engine_kwargs: dict) -> int:
+    """Bytes the engine's state pool will take beside the KV pool (hybrid models)."""
+    return state_pool_bytes(runtime_of(model), engine_kwargs.get("max_rows"),
+                            engine_kwargs.get("prefix_caching", False),
+                            engine_kwargs.get("state_checkpoints"))
 
 
 def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
@@ -116,7 +124,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     problems += filter(None, [logprobs_problem(logprobs, vocab_size(model))])
     if problems:  # before the pool is sized with it
         raise ValueError("; ".join(problems))
-    cap = memory_cap_pages(runtime, page_size) if num_pages is None else None
+    cap = memory_cap_pages(runtime, page_size, _state_reserve(model, dict(
+        prefix_caching=prefix_caching))) if num_pages is None else None
     lives = [max(n, 1) for n in news]
     if num_pages is None:
         num_pages = default_num_pages(token_prompts, lives, page_size, cap)

@@ -129,10 +129,11 @@ def free_host_bytes() -> int | None:
         return None
 
 
-def memory_cap_pages(runtime, page_size: int) -> int | None:
+def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | None:
     """Most pages a default pool takes: a share of the free memory of the pool's device
-    (``DEVICE_MEMORY_SHARE`` of a GPU's, ``HOST_MEMORY_SHARE`` of the host's); ``None`` when
-    the free memory is unknown."""
+    (``DEVICE_MEMORY_SHARE`` of a GPU's, ``HOST_MEMORY_SHARE`` of the host's) less
+    ``reserved_bytes`` (what the engine allocates beside it: a hybrid model's state pool);
+    ``None`` when the free memory is unknown."""
     device = torch.device(runtime.device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -142,6 +143,7 @@ def memory_cap_pages(runtime, page_size: int) -> int | None:
         if host is None:
             return _agreed(None, runtime)
         budget = int(HOST_MEMORY_SHARE * host)
+    budget -= reserved_bytes
     return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
 
 

@@ -145,6 +145,10 @@ class Serving:
             self.prefilled_tokens += prefilled
             self.reused_tokens += scheduler.reused_tokens - reused
             self._report(ended)
+            if scheduler.done and self._inflight is not None:
+                # Launched ahead for requests a stop then ended: nothing will commit it.
+                self._inflight.host_ids()
+                self._ahead = self._inflight = None
         except BaseException:
             scheduler.abort_all()
             self._options.clear()
