@@ -28,10 +28,13 @@ def head_dim_of(config) -> int:
 
 
 def sliding_window_problems(config) -> list[str]:
-    """Sliding-window layers attend a window, not the whole pool: torch_cp does not run them."""
+    """Sliding-window layers attend a window, not the whole pool: torch_cp does not run them.
+    Where the config lists ``layer_types``, they alone say which layers slide (transformers reads
+    ``sliding_window`` only for a "sliding_attention" layer: a Qwen2/3 config with
+    ``use_sliding_window`` but ``max_window_layers >= num_hidden_layers`` slides nowhere)."""
     types = getattr(config, "layer_types", None) or []
-    if getattr(config, "sliding_window", None) is not None or any(
-            t != "full_attention" for t in types):
+    if any(t != "full_attention" for t in types) if types else (
+            getattr(config, "sliding_window", None) is not None):
         return [f"{config.model_type}: sliding-window attention layers are not supported "
                 f"(use_sliding_window must be False, layer_types all 'full_attention')"]
     return []

@@ -177,6 +177,16 @@ def test_sliding_window_layers_are_refused():
     assert "sliding-window attention layers are not supported" in problems_of(model)
 
 
+def test_a_sliding_window_that_no_layer_uses_is_taken():
+    """``use_sliding_window`` with ``max_window_layers`` past the last layer: every layer is
+    full attention (transformers' layer_types), so the model patches and keeps its tokens."""
+    overrides = dict(use_sliding_window=True, sliding_window=8, max_window_layers=64)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])
+    want = tiny_model("qwen3", **overrides).generate(ids, max_new_tokens=4, do_sample=False)
+    model = torch_cp.patch_model(tiny_model("qwen3", **overrides))
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
 def test_several_problems_are_named_together_and_nothing_changes():
     model = tiny_model("glm4_moe", num_key_value_heads=1, moe_intermediate_size=36).double()
     weights = {k: v.data_ptr() for k, v in model.state_dict().items()}
