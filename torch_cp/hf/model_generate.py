@@ -13,6 +13,11 @@ forward pre-hook on the model turns each call's ids and mask into a step plan wh
 ``generate`` refuses unknown keyword arguments, so the pool cannot be sized through it: it is sized
 from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly).
 Beam search is not supported (a paged cache does not reorder rows).
+
+Under torchrun every rank calls ``generate`` with the same inputs, and each rank's own loop picks
+its tokens: greedy decoding agrees on every rank (the tests check it), but sampling agrees only
+when every rank seeds alike (``torch.manual_seed``) and the logits agree to the last bit. Where
+that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts the tokens.
 """
 
 from __future__ import annotations
