@@ -112,7 +112,12 @@ def test_merge_two_is_merge_partials_of_the_pair():
 # --- dense_partial and TorchBackend ---
 
 
-def test_dense_partial_masks_nan_and_empty_queries():
+@pytest.mark.parametrize("chunk", [None, 1, 3], ids=["whole", "chunk1", "chunk3"])
+def test_dense_partial_masks_nan_and_empty_queries(monkeypatch, chunk):
+    """Also in chunks of queries (``CHUNK_ELEMENTS`` bounds a long step's memory): one query,
+    and three, which do not divide the four."""
+    if chunk is not None:  # a query gathers 6 keys x (2 heads x (8 + 5) + 2 x 4 scores)
+        monkeypatch.setattr("torch_cp.attention.torch_ref.CHUNK_ELEMENTS", chunk * 6 * 34)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(4, 4, 8, generator=g), torch.randn(4, 6, 2, 8, generator=g),
                torch.randn(4, 6, 2, 5, generator=g))

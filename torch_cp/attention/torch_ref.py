@@ -16,12 +16,17 @@ from torch_cp.attention.partial import Partial
 from torch_cp.plan import Bucket, StepPlan
 
 LN2 = math.log(2.0)
+# Float32 elements a chunk of queries may gather (its keys, values, scores and probabilities):
+# each query reads its own masked copy of its keys, so a 2048-token prefill in one piece would
+# take tens of GiB; in chunks it takes about 256 MiB whatever the step's length.
+CHUNK_ELEMENTS = 2**26
 
 
 def dense_partial(q_nhd: torch.Tensor, k_blhd: torch.Tensor, v_blhd: torch.Tensor,
                   mask_nl: torch.Tensor, scale: float, key_batch: torch.Tensor | None = None
                   ) -> Partial:
-    """Attention of each query over the keys its mask allows, in float32.
+    """Attention of each query over the keys its mask allows, in float32, in chunks of queries
+    of at most ``CHUNK_ELEMENTS`` gathered elements.
 
     Args:
         q_nhd: [N, H, Dk]. k_blhd: [B, L, Hkv, Dk], v_blhd: [B, L, Hkv, Dv] with H % Hkv == 0.
@@ -30,10 +35,22 @@ def dense_partial(q_nhd: torch.Tensor, k_blhd: torch.Tensor, v_blhd: torch.Tenso
     Returns:
         out [N, H, Dv] in q's dtype (0 for queries with no key) and lse [N, H] (-inf for those).
     """
-    n, h, dk = q_nhd.shape
-    hkv = k_blhd.shape[2]
+    n, h, _ = q_nhd.shape
+    length, hkv, dk = k_blhd.shape[1:]
     index = key_batch.clamp(min=0) if key_batch is not None else torch.zeros(
         n, dtype=torch.long, device=q_nhd.device)
+    per_query = length * (hkv * (dk + v_blhd.shape[-1]) + 2 * h)
+    step = max(1, CHUNK_ELEMENTS // max(per_query, 1))
+    if n <= step:
+        return _dense_chunk(q_nhd, k_blhd, v_blhd, mask_nl, scale, index)
+    parts = [_dense_chunk(q_nhd[i:i + step], k_blhd, v_blhd, mask_nl[i:i + step], scale,
+                          index[i:i + step]) for i in range(0, n, step)]
+    return Partial(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
+
+
+def _dense_chunk(q_nhd, k_blhd, v_blhd, mask_nl, scale, index) -> Partial:
+    n, h, dk = q_nhd.shape
+    hkv = k_blhd.shape[2]
     keep = mask_nl.unsqueeze(-1).unsqueeze(-1)  # [N, L, 1, 1]
     zero = torch.zeros((), dtype=torch.float32, device=q_nhd.device)
     k = torch.where(keep, k_blhd[index].float(), zero)  # [N, L, Hkv, Dk]
