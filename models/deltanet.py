@@ -19,18 +19,6 @@ from torch_cp.state import StatePool
 from torch_cp.tp import keep_entries, keep_in_features, keep_out_features, rank_slice
 
 
-def linear_head_problems(config, tp: int) -> list[str]:
-    """Linear-attention heads must split evenly over ``tp``, and each key head serve a whole
-    number of value heads."""
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    problems = [f"{n} linear-attention {what} heads (linear_num_{what}_heads) do not split "
-                f"evenly over tp = {tp}" for what, n in (("key", hk), ("value", hv)) if n % tp]
-    if hv % hk:
-        problems.append(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads "
-                        f"{hk}")
-    return problems
-
-
 def _heads(rank_heads: slice, width: int, offset: int = 0) -> torch.Tensor:
     return offset + torch.arange(rank_heads.start * width, rank_heads.stop * width)
 

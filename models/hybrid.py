@@ -24,6 +24,7 @@ from torch_cp.models import deltanet
 from torch_cp.models.gqa import gqa_geometry, head_dim_of, head_split_problems
 from torch_cp.placement import ContextParallel
 from torch_cp.state import LinearGeometry, StatePool
+from torch_cp.state.pool import linear_head_problems
 from torch_cp.tp import keep_in_features, keep_out_features
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -78,7 +79,7 @@ class HybridFamily:
             problems.append(f"{config.model_type}: layer types {odd} are not supported (only "
                             f"{', '.join(LAYER_TYPES)})")
         return (problems + head_split_problems(config, tp)
-                + deltanet.linear_head_problems(config, tp))
+                + linear_head_problems(config, tp))
 
     def geometry(self, config, tp: int, placement: ContextParallel) -> AttentionGeometry:
         return gqa_geometry(text_config(config), tp, placement)

@@ -102,6 +102,7 @@ class StepPlan:
         state_fresh: [B] int64, 1 where a row's state starts from zeros (no context: a new
             request or a padding row), else 0; None with ``state_slots``. Made once per step
             here, so no layer compares ``ctx_lens`` itself.
+        state_sink_slot: the state pool's sink slot the plan was built for, or None.
     """
 
     num_rows: int
@@ -124,6 +125,7 @@ class StepPlan:
     bucket: Bucket | None = None
     state_slots: torch.Tensor | None = None
     state_fresh: torch.Tensor | None = None
+    state_sink_slot: int | None = None
 
     @property
     def page_ids(self) -> torch.Tensor:
@@ -197,6 +199,13 @@ def build_step_plan(
                             f"to {width} pages does not fit {bucket}")
     if state_slots is not None and (len(state_slots) != rows or sink_slot is None):
         problems.append("state_slots needs one slot per row and the pool's sink_slot")
+    elif state_slots is not None:
+        # Below the sink slot (the zero slot follows it) and one row each: a real row on the
+        # zero slot would make every later fresh row start from its state.
+        slots = [int(x) for x in state_slots]
+        if len(set(slots)) != rows or not all(0 <= x < sink_slot for x in slots):
+            problems.append(f"state_slots must be distinct slots in [0, {sink_slot}) (the sink "
+                            f"slot and the zero slot are the pool's), got {slots}")
     if problems:
         raise ValueError("invalid step: " + "; ".join(problems))
     local_page = page_size // placement.size
@@ -260,4 +269,5 @@ def build_step_plan(
         bucket=bucket,
         state_slots=slots_d[0] if slots_d else None,
         state_fresh=slots_d[1] if slots_d else None,
+        state_sink_slot=None if state_slots is None else sink_slot,
     )

@@ -120,3 +120,27 @@ def test_a_pool_for_this_placement_is_taken_with_its_own_size():
     placement is taken."""
     p = pool(PARTNER_0, num_pages=3, page_size=4)
     assert PagedKVCache(runtime(PARTNER_0), p).pool is p
+
+
+@pytest.mark.parametrize("slots", [[0, 0], [0, 3], [3, 1], [-1, 0]],
+                         ids=["twice", "sink", "zero", "negative"])
+def test_state_slots_must_be_distinct_request_slots(slots):
+    """A pool of 3 request slots: the sink is slot 3 and the zero slot 4 (a real row on either
+    would be read by padding or by every later fresh row)."""
+    with pytest.raises(ValueError, match=r"state_slots must be distinct slots in \[0, 3\)"):
+        build_step_plan([5, 1], [0, 9], [[0], [1, 2]], page_size=PAGE_SIZE, sink_page=NUM_PAGES,
+                        state_slots=slots, sink_slot=3)
+
+
+def test_a_plan_for_another_state_pool_is_refused():
+    from torch_cp.tiny import tiny_qwen3_5
+
+    model = torch_cp.patch_model(tiny_qwen3_5(), page_size=PAGE_SIZE)
+    cache = PagedKVCache.for_model(model, NUM_PAGES, state_slots=2)
+    step = build_step_plan([5, 1], [0, 9], [[0], [1, 2]], page_size=PAGE_SIZE,
+                           sink_page=cache.pool.sink_page, state_slots=[0, 2], sink_slot=4)
+    with pytest.raises(ValueError, match=r"sink_slot 4 is not the state pool's \(2"):
+        cache.begin_step(step)
+    cache.begin_step(build_step_plan([5, 1], [0, 9], [[0], [1, 2]], page_size=PAGE_SIZE,
+                                     sink_page=cache.pool.sink_page, state_slots=[1, 0],
+                                     sink_slot=2))

@@ -172,6 +172,8 @@ def test_state_bytes_follow_the_geometry(model_type):
     assert torch_cp.state_bytes_per_rank(model, 5) == 5 * 2 * per_layer
     assert torch_cp.state_bytes_per_rank(config, 5) == 5 * 2 * per_layer  # unpatched: tp = 1
     assert torch_cp.state_bytes_per_rank(config, 5, tp=2) == 5 * per_layer  # heads split
+    with pytest.raises(ValueError, match="do not split evenly over tp = 3"):
+        torch_cp.state_bytes_per_rank(config, 5, tp=3)  # what patch_model refuses, not floored
     assert torch_cp.state_bytes_per_rank(tiny_model("qwen3"), 5) == 0  # no linear attention
     for max_rows, slots in ((3, 3), (None, 64)):  # None: 64 slots
         engine = torch_cp.Engine(model, num_pages=8, max_rows=max_rows)

@@ -65,6 +65,10 @@ class PagedKVCache(Cache):
         if (self.state is None) != (plan.state_slots is None):
             raise ValueError("a hybrid model's step plan needs state_slots (and only its plan "
                              "takes them): build_step_plan(..., state_slots=, sink_slot=)")
+        if self.state is not None and plan.state_sink_slot != self.state.sink_slot:
+            raise ValueError(f"the step plan's sink_slot {plan.state_sink_slot} is not the state "
+                             f"pool's ({self.state.sink_slot}, one past its "
+                             f"{self.state.num_slots} request slots)")
         self.plan = plan
         self.runtime.backend.plan(plan)
         if self.state is not None:

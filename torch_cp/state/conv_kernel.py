@@ -63,6 +63,9 @@ def _conv_step(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, out_ptr, zero_slo
                 mask=in_c[:, None] & (t[None, :] <= WIDTH), other=0.0)
     out = _activated(tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1), w_ptr)
     tl.store(out_ptr + row * out_sn + c, out.to(out_ptr.dtype.element_ty), mask=in_c)
+    # Cell t - 1 is written from the element that read cell t: every thread of the program must
+    # have read its cells before any writes (a barrier, where threads of other warps may not).
+    tl.debug_barrier()
     tl.store(states_ptr + slot * s_slot + cells - 1, window,
              mask=in_c[:, None] & (t[None, :] >= 1) & (t[None, :] <= WIDTH))
 
@@ -148,8 +151,11 @@ def _conv_rows_state(x_ptr, states_ptr, slots_ptr, fresh_ptr, qo_ptr, zero_slot,
     in_c = c < channels
     start, end, source = _row_of(qo_ptr, slots_ptr, fresh_ptr, row, row >= 0, zero_slot)
     last = _window_input(x_ptr, states_ptr, end - WIDTH + j, c, in_c, start, end, source,
-                         x_sn, s_slot, s_c, WIDTH)  # [W_PAD, BC], read whole before the write
+                         x_sn, s_slot, s_c, WIDTH)  # [W_PAD, BC]
     slot = tl.load(slots_ptr + row).to(tl.int64)
+    # A row shorter than the window keeps some of its old cells, shifted: the element that
+    # writes a cell is not the one that read it, so every read lands before any write.
+    tl.debug_barrier()
     tl.store(states_ptr + (slot * s_slot + j)[:, None] + c[None, :] * s_c, last,
              mask=(j < WIDTH)[:, None] & in_c[None, :])
 

@@ -39,7 +39,11 @@ class LinearGeometry:
 
     @classmethod
     def from_config(cls, config, tp: int = 1) -> LinearGeometry:
-        """The shapes of a hybrid text ``config``'s linear layers on one of ``tp`` ranks."""
+        """The shapes of a hybrid text ``config``'s linear layers on one of ``tp`` ranks;
+        ValueError when its heads do not split over ``tp`` (``linear_head_problems``)."""
+        problems = linear_head_problems(config, tp)
+        if problems:
+            raise ValueError("; ".join(problems))
         return cls(layers=sum(t == "linear_attention" for t in config.layer_types),
                    k_heads=config.linear_num_key_heads // tp,
                    v_heads=config.linear_num_value_heads // tp,
@@ -56,6 +60,18 @@ class LinearGeometry:
         conv = self.conv_channels * (self.conv_kernel - 1) * torch.finfo(dtype).bits // 8
         recurrent = self.v_heads * self.k_dim * self.v_dim * 4
         return self.layers * (conv + recurrent)
+
+
+def linear_head_problems(config, tp: int) -> list[str]:
+    """Linear-attention heads must split evenly over ``tp``, and each key head serve a whole
+    number of value heads."""
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    problems = [f"{n} linear-attention {what} heads (linear_num_{what}_heads) do not split "
+                f"evenly over tp = {tp}" for what, n in (("key", hk), ("value", hv)) if n % tp]
+    if hv % hk:
+        problems.append(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads "
+                        f"{hk}")
+    return problems
 
 
 class StatePool:
