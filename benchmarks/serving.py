@@ -73,8 +73,8 @@ def serve(engine, arrivals: list[tuple[float, list[int]]], new_tokens: int, devi
             continue
         outputs = engine.step()
         now = time.perf_counter() - start
-        for out in outputs:
-            if out.token_ids:
+        for out in outputs:  # only this call's requests (one submitted before still runs)
+            if out.token_ids and out.request_id in submitted:
                 times.setdefault(out.request_id, []).append(now)
     _sync(device)
     total = time.perf_counter() - start
