@@ -35,13 +35,14 @@ RECOMPILE_LIMIT = 64
 @contextlib.contextmanager
 def compiled_layers(model, layers: list[torch.nn.Module] | None = None) -> Iterator[None]:
     """Within the block, every decoder layer of ``model`` runs as ``torch.compile(layer,
-    fullgraph=True)``; after it, eagerly again (the model stays usable uncompiled). Capture CUDA
+    fullgraph=True)``; after it, as before it (eagerly, or as the user compiled it). Capture CUDA
     graphs inside it: they keep the compiled kernels. Entering it again reuses the graphs
     compiled before (Dynamo caches them by code and guards) and each layer's ``torch.compile``
     wrapper, so the engine enters it around each eager step it compiles, passing ``layers``
     (``decoder_layers(model)``, found once). On the 2-core development machine, for 36 layers,
     making the wrappers took 9 ms and walking the module tree for the layers 3 ms an entry."""
     layers = decoder_layers(model) if layers is None else layers
+    before = [compat.compiled_call(layer) for layer in layers]
     for layer in layers:
         # What nn.Module.compile(fullgraph=True) sets, made once per layer.
         if getattr(layer, "_torch_cp_compiled_call", None) is None:
@@ -51,5 +52,5 @@ def compiled_layers(model, layers: list[torch.nn.Module] | None = None) -> Itera
         with compat.dynamo_layer_options(RECOMPILE_LIMIT):
             yield
     finally:
-        for layer in layers:
-            compat.set_compiled_call(layer, None)  # eager again
+        for layer, call in zip(layers, before):
+            compat.set_compiled_call(layer, call)

@@ -136,8 +136,20 @@ def capturable_experts(model: nn.Module) -> str | None:
     if all(capturable(name, dtype, device) for name in current):
         return None
     choice = next(n for n in PREFERRED if available(n, device) and capturable(n, dtype, device))
+    runtime = getattr(model, "torch_cp", None)
+    if runtime is not None and runtime.experts_before is None:
+        runtime.experts_before = (model.config._experts_implementation,
+                                  [(e.config, compat.experts_implementation(e)) for e in experts])
     compat.set_experts_implementation(model, experts, choice)
     log.warning("torch_cp: MoE experts implementation %s cannot be captured in a CUDA graph "
                 "with %s weights; switched to %r (model.set_experts_implementation)",
                 "/".join(sorted(map(repr, current))), str(dtype).removeprefix("torch."), choice)
     return choice
+
+
+def restore_experts(model: nn.Module, before: tuple) -> None:
+    """Put back the experts implementations ``capturable_experts`` recorded (``unpatch_model``)."""
+    model_choice, configs = before
+    model.set_experts_implementation(model_choice)
+    for config, name in configs:
+        config._experts_implementation = name

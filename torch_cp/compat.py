@@ -50,6 +50,11 @@ def compile_call(module: nn.Module) -> Callable:
     return torch.compile(module._call_impl, fullgraph=True)
 
 
+def compiled_call(module: nn.Module) -> Callable | None:
+    """What ``module(...)`` runs instead of its forward when compiled (None: eager)."""
+    return getattr(module, COMPILED_CALL, None)
+
+
 def set_compiled_call(module: nn.Module, compiled: Callable | None) -> None:
     """Make ``module(...)`` run ``compiled`` (``None``: eager again), as ``nn.Module.compile``
     does, without making a new ``torch.compile`` wrapper each time."""

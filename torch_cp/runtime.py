@@ -35,6 +35,9 @@ class ModelRuntime:
             DeltaNet, gated MLP and router modules).
         linear: per-rank shapes of a hybrid model's linear-attention layers (None: no state).
         linear_kernels: their kernels, ``"torch"`` or ``"fla"`` (``torch_cp.state.kernels``).
+        experts_before: the MoE experts implementations before a capture switched them (the
+            model's and each experts module's config's; ``graphs.experts.capturable_experts``),
+            which ``unpatch_model`` puts back; None while nothing was switched.
     """
 
     placement: ContextParallel
@@ -52,6 +55,7 @@ class ModelRuntime:
     originals: list = field(default_factory=list, repr=False)
     linear: LinearGeometry | None = None
     linear_kernels: str = "torch"
+    experts_before: tuple | None = field(default=None, repr=False)
 
     @property
     def spans_ranks(self) -> bool:

@@ -199,3 +199,19 @@ def test_eager_steps_run_the_compiled_layers_at_every_length(family):
     assert graphs[1:] == [graphs[1]] * 3, f"a length after the second compiled again: {graphs}"
     _, after = run(compile=False)
     assert after == [graphs[-1]] * 4, "eager when compile is off"
+
+
+def test_compiled_layers_leave_each_layer_as_they_found_it():
+    """Eager layers are eager again after the block, and a layer the user compiled keeps its
+    own compiled call (entering makes torch.compile wrappers only; nothing compiles)."""
+    from torch_cp.layers import decoder_layers
+    from torch_cp.tiny import tiny_qwen3
+
+    model = tiny_qwen3()
+    layers = decoder_layers(model)
+    users = torch.compile(layers[0]._call_impl)
+    layers[0]._compiled_call_impl = users
+    with compiled_layers(model):
+        assert all(layer._compiled_call_impl not in (None, users) for layer in layers)
+    assert layers[0]._compiled_call_impl is users
+    assert all(layer._compiled_call_impl is None for layer in layers[1:])

@@ -14,6 +14,7 @@ import torch
 from driver import tiny_model
 from torch import nn
 
+import torch_cp
 from torch_cp.graphs.experts import (
     PREFERRED,
     available,
@@ -53,6 +54,16 @@ def test_an_uncapturable_loop_is_switched_and_computes_the_same(family, caplog):
     assert len(switched) == 1 and "'eager'" in switched[0].getMessage()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_unpatch_puts_back_the_experts_a_capture_switched(family):
+    model = moe_model(family)
+    model.set_experts_implementation("eager")
+    torch_cp.patch_model(model)
+    assert capturable_experts(model) == "grouped_mm"
+    torch_cp.unpatch_model(model)
+    assert implementations(model) == {"eager"} and model.config._experts_implementation == "eager"
 
 
 def test_a_capturable_choice_is_kept():

@@ -13,7 +13,12 @@ from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
 from torch_cp.fused_linear import FusedLinear, fuse_gate_up, fuse_in_projections, gated_mlps
-from torch_cp.graphs.experts import experts_modules, kernel_routers, register_fused
+from torch_cp.graphs.experts import (
+    experts_modules,
+    kernel_routers,
+    register_fused,
+    restore_experts,
+)
 from torch_cp.hf import model_generate
 from torch_cp.hf.forward import patched_forward, patched_linear_forward
 from torch_cp.hf.validate import PatchSettings, validate_patch
@@ -143,6 +148,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             module.__dict__.pop(name, None)
             if isinstance(fused := module._modules.pop(name, None), FusedLinear):
                 fused.unfuse()
+    if runtime.experts_before is not None:
+        restore_experts(model, runtime.experts_before)
     model_generate.uninstall_generate(model)
     del model.torch_cp
     return model
