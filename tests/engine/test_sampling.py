@@ -106,6 +106,23 @@ def test_the_requests_of_one_call_draw_independent_streams():
     assert all(torch.equal(a, b) for a, b in zip(streams, again))
 
 
+@pytest.mark.parametrize("seed", [2**62, -(2**62), 9 * 10**18 // 1_000_003 + 1])
+def test_every_int_seed_makes_a_generator(seed):
+    """Seeds whose request seeds pass int64 (a ``time.time_ns()``, say) draw the same streams
+    again; ordinary seeds keep their streams (``seed * 1_000_003 + index``)."""
+    params = SamplingParams(temperature=1.0, seed=seed)
+    draws = [torch.rand(4, generator=params.generator(i)) for i in range(2)]
+    assert torch.equal(draws[1], torch.rand(4, generator=params.generator(1)))
+    assert torch.equal(torch.rand(4, generator=SamplingParams(seed=SEED).generator(2)),
+                       torch.rand(4, generator=torch.Generator().manual_seed(SEED * 1_000_003 + 2)))
+
+
+@pytest.mark.parametrize("seed", [1.5, True, "3"])
+def test_a_seed_that_is_no_int_is_refused(seed):
+    with pytest.raises(ValueError, match="seed must be an int"):
+        SamplingParams(temperature=1.0, seed=seed)
+
+
 def test_identical_prompts_sample_different_continuations(model):
     """Four copies of one prompt at temperature 1 in one call: their continuations differ
     (they would be identical if every request drew the same stream). The tiny model's

@@ -170,6 +170,19 @@ def test_a_stop_with_a_step_launched_ahead_leaves_no_stale_step(hf_tokens):
     assert_pool_whole(e)
 
 
+def test_an_abort_with_a_step_launched_ahead_leaves_no_stale_step(hf_tokens):
+    e = engine(overlap_planning=True)
+    aborted = e.submit(PROMPTS[1], NEW)
+    for _ in range(3):  # prefill, then decode steps, each launching the next ahead
+        e.step()
+    e.abort(aborted)
+    assert [(o.request_id, o.finish_reason) for o in e.step()] == [(aborted, "abort")]
+    later = e.submit(PROMPTS[2], NEW)
+    assert [(o.request_id, o.token_ids) for o in e.step()] == [(later, (hf_tokens[2][0],))]
+    collect(e.stream())
+    assert_pool_whole(e)
+
+
 def test_each_request_keeps_its_own_sampling(hf_tokens):
     sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
     e = engine()

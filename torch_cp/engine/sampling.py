@@ -47,6 +47,8 @@ class SamplingParams:
             problems.append(f"top_k must be a positive int or None, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             problems.append(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            problems.append(f"seed must be an int, got {self.seed!r}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 
@@ -55,8 +57,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def generator(self, request_index: int) -> torch.Generator:
-        """The host generator of one request."""
-        return torch.Generator().manual_seed(self.seed * _SEED_STRIDE + request_index)
+        """The host generator of one request (any int seed: the request's seed is taken modulo
+        2**63, what ``manual_seed`` holds)."""
+        return torch.Generator().manual_seed((self.seed * _SEED_STRIDE + request_index) % 2**63)
 
 
 def filter_logits(logits_bv: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -12,7 +12,9 @@ ids) and ``logprobs``. The scheduler persists across steps, so requests arrive w
 Lockstep under torchrun: every rank calls ``step`` (or iterates ``stream``) in step with the
 others; ``submit`` and ``abort`` take effect at the next step boundary, and there rank 0's
 decisions are broadcast and applied on every rank (the other ranks' own calls are ignored; they
-learn the request ids from rank 0), so all schedulers decide the same.
+learn the request ids from rank 0), so all schedulers decide the same. A step that raises on
+one rank only leaves the others waiting in a collective until the process group's timeout: the
+job cannot go on (README says how to shorten the wait).
 """
 
 from __future__ import annotations
@@ -137,16 +139,15 @@ class Serving:
         # ends every request, so no page, slot or option outlives its request.
         try:
             self._apply(self._decided())
-            if scheduler.done:
-                return self._outputs
-            reused = scheduler.reused_tokens
-            prefilled, _, ended = self._step(scheduler, self._sampling_of(), self._generators(),
-                                             frozenset())
-            self.prefilled_tokens += prefilled
-            self.reused_tokens += scheduler.reused_tokens - reused
-            self._report(ended)
+            if not scheduler.done:
+                reused = scheduler.reused_tokens
+                prefilled, _, ended = self._step(scheduler, self._sampling_of(),
+                                                 self._generators(), frozenset())
+                self.prefilled_tokens += prefilled
+                self.reused_tokens += scheduler.reused_tokens - reused
+                self._report(ended)
             if scheduler.done and self._inflight is not None:
-                # Launched ahead for requests a stop then ended: nothing will commit it.
+                # Launched ahead for requests a stop or an abort then ended: nothing commits it.
                 self._inflight.host_ids()
                 self._ahead = self._inflight = None
         except BaseException:
