@@ -80,7 +80,9 @@ class Serving:
         """Queue a request (token ids) for the next step; returns its id. A bad request (see
         ``check_request``) ends at that step with ``finish_reason="error"``; bad options raise a
         ValueError naming each, and nothing is queued. Stop strings need ``tokenizer``; a str
-        is one stop string and an int one stop token id (as transformers takes them)."""
+        is one stop string and an int one stop token id (as transformers takes them). The
+        model's EOS ends a request only as one of its ``stop_token_ids`` (``finish_reason``
+        ``"stop"``; ``generate(stream=True)`` passes them)."""
         stop_token_ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else \
             tuple(stop_token_ids)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
