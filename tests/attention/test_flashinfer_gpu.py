@@ -83,6 +83,20 @@ def test_gqa_decode_both_kernels(tensor_cores):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_large_gqa_group_plans_within_its_workspace(tensor_cores, size):
+    """GLM-4-32B's attention (48 query heads over 2 KV heads, group 24): split-KV scratch for
+    a 32k-token row passes the default 128 MiB workspace (``workspace_bytes`` sizes it)."""
+    shape = Shape("gqa", 48, 2, 128, 128)
+    batch = Batch(q_lens=(1,) * 4, ctx_lens=(32768, 5000, 17, 0))
+    inputs = make_inputs(shape, batch, torch.bfloat16, "cuda", seed=24)
+    got = run_placed(flashinfer_backend(decode_tensor_cores=tensor_cores), shape, size, "sp",
+                     batch, inputs)
+    assert_close_real(got.merged, reference(shape, batch, inputs), inputs.num_tokens)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("own_tokens", ["torch", "flashinfer"])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_mla_own_token_paths(heads, own_tokens):

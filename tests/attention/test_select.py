@@ -156,3 +156,17 @@ def test_flashinfer_backend_routes_each_step_to_its_buckets_kernels():
     with pytest.raises(ValueError, match="add_bucket"):
         backend.plan(SimpleNamespace(bucket=Bucket(8, 8, 64)))
     assert backend.name == "flashinfer" and backend.geometry is GQA
+
+
+def test_the_workspace_grows_with_the_gqa_group_only_where_it_must():
+    """FlashInfer's split-KV scratch for 2 * SMs / kv_heads work items of 128 query rows per
+    query head: Qwen3-8B's shape fits the default 128 MiB; GLM-4-32B's 48 query heads over 2 KV
+    heads (tensor-core decode pads a graph's batch to 132 items on 132 SMs, 198 MiB at tile 64)
+    do not, and get the bound. MLA keeps the default."""
+    from torch_cp.attention.flashinfer_common import WORKSPACE_BYTES, workspace_bytes
+
+    assert workspace_bytes(GQA, sms=132) == WORKSPACE_BYTES
+    glm = AttentionGeometry("gqa", q_heads=48, kv_heads=2, head_dim=128, head_dim_v=128,
+                            scale=128 ** -0.5, context_q_heads=48)
+    assert workspace_bytes(glm, sms=132) == 48 * 132 * 128 * 129 * 4 > 48 * 132 * 64 * 128 * 4
+    assert workspace_bytes(MLA, sms=132) == WORKSPACE_BYTES

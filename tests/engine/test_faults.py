@@ -242,3 +242,15 @@ def test_every_bad_engine_argument_is_named_at_once_before_allocation(model, mon
         Engine(model, num_pages=4, mixed_buckets=[(2, 8)])
     with pytest.raises(ValueError, match="num_pages must be a positive int, got 2.5"):
         Engine(model, num_pages=2.5)
+
+
+def test_engines_for_calls_of_similar_lengths_share_their_bucket_width(model, monkeypatch):
+    """The captured buckets' page-table width is the longest request's, rounded up to a power
+    of two (the backend keeps a kernel set per bucket shape): 5 and 7 pages give 8."""
+    made = []
+    monkeypatch.setattr(generation, "Engine", lambda *a, **k: made.append(k) or k)
+    for pages in (5, 7, 9):
+        generation.engine_for(model, [[1] * (pages * 8 - 3)], [4], 8, num_pages=64)
+    assert [k["max_pages_per_row"] for k in made] == [8, 8, 16]
+    generation.engine_for(model, [[1] * 37], [4], 8, num_pages=6)
+    assert made[-1]["max_pages_per_row"] == 6  # never wider than the pool

@@ -24,6 +24,20 @@ from torch_cp.plan import Bucket, StepPlan
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
+def workspace_bytes(geometry: AttentionGeometry, sms: int) -> int:
+    """The float workspace a GQA backend needs: FlashInfer's split-KV prefill and tensor-core
+    decode keep a float32 partial output and LSE per query head, work item and query tile row,
+    for up to ``2 * sms / kv_heads`` work items (what its planner pads a graph's batch to, and
+    where it stops splitting) of up to 128 tile rows: ``WORKSPACE_BYTES`` unless that bound is
+    larger. Large GQA groups need more (GLM-4-32B's 48 query heads over 2 KV heads: 418 MB on an
+    H200); MLA's planner keeps its own bounds (``mla_work_items``)."""
+    if geometry.kind != "gqa":
+        return WORKSPACE_BYTES
+    items = -(-2 * sms // geometry.kv_heads)
+    return max(WORKSPACE_BYTES, geometry.context_q_heads * items * 128
+               * (geometry.head_dim_v + 1) * 4)
+
+
 class PlanFence:
     """Waits before re-planning a wrapper until its previous plan's host-to-device copy ran.
 
@@ -85,7 +99,10 @@ class FlashInferBackend:
         self.geometry = geometry
         self.device = torch.device(device)
         self.dtype = dtype
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+               if self.device.type == "cuda" else 1)
+        self.workspace = torch.zeros(workspace_bytes(geometry, sms), dtype=torch.uint8,
+                                     device=self.device)
         self._kernels = {None: self.make_kernels(None)}
         self._active = self._kernels[None]
 

@@ -26,13 +26,16 @@ def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], pag
                num_pages: int | None = None, **engine_kwargs) -> Engine:
     """An ``Engine`` for token-id ``prompts`` with ``news`` new tokens each: a pool of
     ``num_pages`` (default: every request's whole lifetime, capped by free memory) and captured
-    buckets as wide as the longest request. ``engine_kwargs`` go to ``Engine``."""
+    buckets as wide as the longest request, rounded up to a power of two: the backend keeps one
+    kernel set per bucket shape for the model's life, so calls whose longest requests differ a
+    little share them. ``engine_kwargs`` go to ``Engine``."""
     if num_pages is None:
         cap = memory_cap_pages(runtime_of(model), page_size,
                                _state_reserve(model, engine_kwargs))
         num_pages = default_num_pages(prompts, news, page_size, cap)
     widest = max((lifetime_pages(p, n, page_size) for p, n in zip(prompts, news)), default=1)
-    return Engine(model, num_pages, page_size, max_pages_per_row=min(widest, num_pages),
+    width = 1 << (widest - 1).bit_length()
+    return Engine(model, num_pages, page_size, max_pages_per_row=min(width, num_pages),
                   **engine_kwargs)
 
 
