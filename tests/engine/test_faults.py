@@ -254,3 +254,26 @@ def test_engines_for_calls_of_similar_lengths_share_their_bucket_width(model, mo
     assert [k["max_pages_per_row"] for k in made] == [8, 8, 16]
     generation.engine_for(model, [[1] * 37], [4], 8, num_pages=6)
     assert made[-1]["max_pages_per_row"] == 6  # never wider than the pool
+
+
+def test_mixed_buckets_the_mla_planner_refuses_are_named_before_allocation(model, monkeypatch):
+    """DeepSeek-V3's 128 heads on 132 SMs: a capture step of 16,384 tokens makes 16,384 query
+    tiles of 128 rows, over FlashInfer's cap of 16,384 planner work items with the splits;
+    8,192 tokens, or 16 heads, fit. The backend is asked before anything is allocated."""
+    from types import SimpleNamespace
+
+    from torch_cp.attention.flashinfer_mla import mixed_bucket_problems
+
+    assert mixed_bucket_problems([(4, 8192)], 128, 132) == []
+    assert mixed_bucket_problems([(4, 16384)], 16, 132) == []
+    refused = mixed_bucket_problems([(4, 16384)], 128, 132)
+    assert len(refused) == 1 and "mixed bucket (4, 16384)" in refused[0]
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a pool was allocated before the arguments were checked")
+    monkeypatch.setattr(model.torch_cp, "new_pool", no_pool)
+    monkeypatch.setattr(model.torch_cp, "backend", SimpleNamespace(
+        mixed_bucket_problems=lambda shapes: mixed_bucket_problems(shapes, 128, 132)))
+    with pytest.raises(ValueError) as e:
+        Engine(model, num_pages=4, cuda_graphs=True, mixed_buckets=[(4, 8192), (4, 16384)])
+    assert str(e.value).count("mixed bucket (") == 1 and refused[0] in str(e.value)

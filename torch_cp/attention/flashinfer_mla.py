@@ -86,6 +86,21 @@ def check_mla_work_items(q_lens: Sequence[int], num_heads: int, num_sms: int,
     return items
 
 
+def mixed_bucket_problems(shapes: Sequence[tuple[int, int]], num_heads: int,
+                          num_sms: int) -> list[str]:
+    """The mixed buckets (rows, tokens) whose steps the MLA planner always refuses: a capture
+    step's tokens are all padding, in one row past the bucket's rows, and any step replayed in
+    the bucket is padded to its tokens, so none fits under the cap."""
+    problems = []
+    for rows, tokens in shapes:
+        items = mla_work_items([0] * rows + [tokens], num_heads, num_sms)
+        if items > FA_MAX_WORK_ITEMS:
+            problems.append(f"mixed bucket ({rows}, {tokens}): an MLA step of {tokens} tokens x "
+                            f"{num_heads} heads needs up to {items} FlashInfer planner work "
+                            f"items, over its cap of {FA_MAX_WORK_ITEMS}: capture fewer tokens")
+    return problems
+
+
 def causal_mla_on_flashinfer(q_lens: Sequence[int], num_heads: int) -> bool:
     """FlashInfer 0.7.2 plans causal MLA exactly only when the query tile is a multiple of H."""
     return _query_tile(q_lens, num_heads) % num_heads == 0
@@ -166,6 +181,10 @@ class FlashInferMLABackend(FlashInferBackend):
 
     def make_kernels(self, bucket: Bucket | None) -> _MLAKernels:
         return _MLAKernels(self, bucket)
+
+    def mixed_bucket_problems(self, shapes: Sequence[tuple[int, int]]) -> list[str]:
+        """``mixed_bucket_problems`` for this backend (``Engine`` asks before allocating)."""
+        return mixed_bucket_problems(shapes, self.geometry.context_q_heads, self.num_sms)
 
 
 class _MLAKernels:

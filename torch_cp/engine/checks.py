@@ -25,8 +25,10 @@ def _bucket_problems(mixed_buckets) -> list[str]:
 def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, max_rows,
                     max_pages_per_row, mixed_buckets, cuda_graphs: bool, compile: bool,
                     device, prefix_caching=False, hybrid: bool = False,
-                    state_checkpoints=None) -> list[str]:
-    """Every problem with ``Engine``'s arguments (see its docstring); empty when none."""
+                    state_checkpoints=None, backend=None) -> list[str]:
+    """Every problem with ``Engine``'s arguments (see its docstring); empty when none.
+    ``backend``: the model's attention backend, asked about captured mixed buckets where it
+    can refuse their steps (``mixed_bucket_problems``: FlashInfer's MLA planner cap)."""
     problems = []
     if not _positive_int(num_pages):
         problems.append(f"num_pages must be a positive int, got {num_pages!r}")
@@ -42,6 +44,8 @@ def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, ma
     problems += buckets
     if not buckets and mixed_buckets and not cuda_graphs:
         problems.append("mixed_buckets are captured shapes: they need cuda_graphs=True")
+    if not buckets and mixed_buckets and hasattr(backend, "mixed_bucket_problems"):
+        problems += backend.mixed_bucket_problems([tuple(b) for b in mixed_buckets])
     if cuda_graphs and torch.device(device).type != "cuda":
         problems.append(f"cuda_graphs needs a model on CUDA, not {device}")
     if compile and not cuda_graphs:

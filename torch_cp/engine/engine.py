@@ -114,7 +114,8 @@ class Engine(BatchRuns, Serving):
         problems = engine_problems(num_pages, page_size, self.runtime.placement.size,
                                    max_tokens_per_step, max_rows, max_pages_per_row,
                                    mixed_buckets, cuda_graphs, compile, self.runtime.device,
-                                   prefix_caching, hybrid, state_checkpoints)
+                                   prefix_caching, hybrid, state_checkpoints,
+                                   backend=self.runtime.backend)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size
