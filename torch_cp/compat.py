@@ -30,6 +30,7 @@ import types
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
@@ -37,6 +38,40 @@ all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_ten
 all_to_all_single = funcol.all_to_all_single
 all_reduce = funcol.all_reduce
 wait_tensor = funcol.wait_tensor
+
+
+def _eager_gloo(group) -> bool:
+    """Over gloo outside tracing, the classic collectives: torch 2.13's functional collectives
+    over gloo crashed a spawned CPU rank in two of five CI runs (heap corruption, then a
+    segfault inside ``wait_tensor`` of an all-gather, CI stops 26 and 27)."""
+    return not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
+
+
+def gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """[X, ...] -> [P * X, ...], rank p's ``x`` at rows ``[p * X, (p + 1) * X)``."""
+    if _eager_gloo(group):
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    return wait_tensor(all_gather(x, 0, group))
+
+
+def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """[P * X, ...] -> [P * X, ...]: chunk p goes to rank p, and chunk p holds rank p's."""
+    if _eager_gloo(group):
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+    return wait_tensor(all_to_all_single(x, None, None, group))
+
+
+def sum_over(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over ``group`` (out of place)."""
+    if _eager_gloo(group):
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+    return wait_tensor(all_reduce(t, "sum", group))
 
 COMPILED_CALL = "_compiled_call_impl"
 PREPARE_CACHE = "_prepare_cache_for_generation"

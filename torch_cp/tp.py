@@ -34,8 +34,8 @@ from torch_cp import compat
 
 
 def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``t`` over ``group`` with a traceable functional collective."""
-    return compat.wait_tensor(compat.all_reduce(t, "sum", group))
+    """Sum ``t`` over ``group`` with a traceable functional collective (``compat.sum_over``)."""
+    return compat.sum_over(t, group)
 
 
 @dataclass(frozen=True, eq=False)

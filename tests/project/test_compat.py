@@ -82,3 +82,21 @@ def test_the_reference_gated_delta_rules_are_transformers_torch_functions():
         assert fn.__module__ == m.__name__ and fn.__name__ == name, fn
         assert not hasattr(fn, "__wrapped__"), f"{name} is still wrapped"
     assert compat.activation("silu")(torch.tensor([0.0])).item() == 0.0
+
+
+def test_eager_gloo_collectives_take_the_classic_path(one_rank_world, monkeypatch):
+    """Over gloo outside tracing no functional collective runs (two CI crashes inside them);
+    results as the functional ones give them: gathered and exchanged along dim 0, summed out of
+    place."""
+    import torch.distributed as dist
+
+    def functional(*args, **kwargs):
+        raise AssertionError("a functional collective ran eagerly over gloo")
+    for name in ("all_gather", "all_to_all_single", "all_reduce", "wait_tensor"):
+        monkeypatch.setattr(compat, name, functional)
+    x = torch.arange(6.0).view(3, 2)
+    group = dist.group.WORLD
+    assert torch.equal(compat.gather_dim0(x, group), x)
+    assert torch.equal(compat.all_to_all_dim0(x, group), x)
+    total = compat.sum_over(x, group)
+    assert torch.equal(total, x) and total.data_ptr() != x.data_ptr()

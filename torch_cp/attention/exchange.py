@@ -1,4 +1,5 @@
-"""Collectives between partners, through traceable functional collectives.
+"""Collectives between partners, through traceable functional collectives (over gloo outside
+tracing, the classic ones: ``compat.gather_dim0``).
 
 SP mode: every partner attends the same rows and heads, so partials are all-gathered.
 TP mode: partners own different query heads of one KV head. Queries are all-gathered, each partner
@@ -50,15 +51,15 @@ class Exchange:
         """[X, ...] -> [P, X, ...] with partner p's tensor at index p."""
         self._record("all_gather", t)
         group = self.placement.group
-        gather = lambda x: compat.wait_tensor(compat.all_gather(x.contiguous(), 0, group))
+        gather = lambda x: compat.gather_dim0(x.contiguous(), group)
         return self._staged(gather, t).view(self.placement.size, *t.shape)
 
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """[P, X, ...] -> [P, X, ...]: chunk p goes to partner p; index p then holds partner
         p's chunk."""
         self._record("all_to_all", t)
-        return self._staged(lambda x: compat.wait_tensor(compat.all_to_all_single(
-            x.contiguous(), None, None, self.placement.group)), t)
+        return self._staged(lambda x: compat.all_to_all_dim0(x.contiguous(),
+                                                             self.placement.group), t)
 
     def gather_heads(self, q_nhd: torch.Tensor) -> torch.Tensor:
         """TP mode: [N, H, D] -> [N, P * H, D], partner p's heads at ``[p * H, (p + 1) * H)``."""
