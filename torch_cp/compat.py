@@ -38,6 +38,8 @@ all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_ten
 all_to_all_single = funcol.all_to_all_single
 all_reduce = funcol.all_reduce
 wait_tensor = funcol.wait_tensor
+# The classic all-gather into one tensor, renamed like funcol's in torch 2.13 (2.11 has the old).
+gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _eager_gloo(group) -> bool:
@@ -51,7 +53,7 @@ def gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """[X, ...] -> [P * X, ...], rank p's ``x`` at rows ``[p * X, (p + 1) * X)``."""
     if _eager_gloo(group):
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        gather_into_tensor(out, x, group=group)
         return out
     return wait_tensor(all_gather(x, 0, group))
 
