@@ -44,8 +44,8 @@ gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def _eager_gloo(group) -> bool:
     """Over gloo outside tracing, the classic collectives: torch 2.13's functional collectives
-    over gloo crashed a spawned CPU rank in two of five CI runs (heap corruption, then a
-    segfault inside ``wait_tensor`` of an all-gather, CI stops 26 and 27)."""
+    over gloo crashed a spawned CPU rank in two of about six CI runs (heap corruption at CI stop
+    26, then a segfault inside an all-gather's ``wait_tensor`` in a fresh-clone run)."""
     return not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
 
 
@@ -74,6 +74,7 @@ def sum_over(t: torch.Tensor, group) -> torch.Tensor:
         dist.all_reduce(out, group=group)
         return out
     return wait_tensor(all_reduce(t, "sum", group))
+
 
 COMPILED_CALL = "_compiled_call_impl"
 PREPARE_CACHE = "_prepare_cache_for_generation"
