@@ -34,6 +34,7 @@ from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
 from torch_cp.runtime import new_state_pool, runtime_of
+from torch_cp.state import StatePool
 
 DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_GRAPH_ROWS = 64
@@ -55,7 +56,7 @@ def state_pool_bytes(runtime, max_rows: int | None = None, prefix_caching: bool 
     if runtime.linear is None:
         return 0
     slots = sum(state_slot_counts(True, max_rows, prefix_caching, state_checkpoints))
-    return (slots + 2) * runtime.linear.slot_bytes(runtime.dtype)  # + the sink and zero slots
+    return StatePool.bytes_for(runtime.linear, slots, runtime.dtype)
 
 
 class Engine(BatchRuns, Serving):

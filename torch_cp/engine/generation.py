@@ -127,8 +127,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     problems += filter(None, [logprobs_problem(logprobs, vocab_size(model))])
     if problems:  # before the pool is sized with it
         raise ValueError("; ".join(problems))
-    cap = memory_cap_pages(runtime, page_size, _state_reserve(model, dict(
-        prefix_caching=prefix_caching))) if num_pages is None else None
+    cap = memory_cap_pages(runtime, page_size, state_pool_bytes(
+        runtime, prefix_caching=prefix_caching)) if num_pages is None else None
     lives = [max(n, 1) for n in news]
     if num_pages is None:
         num_pages = default_num_pages(token_prompts, lives, page_size, cap)

@@ -74,6 +74,9 @@ def linear_head_problems(config, tp: int) -> list[str]:
     return problems
 
 
+RESERVED_SLOTS = 2  # the sink slot and the zero slot, after the request slots
+
+
 class StatePool:
     """Every linear layer's state: ``conv`` [layers, slots + 2, channels, K - 1] in the model's
     dtype (the inputs the conv saw last, as transformers keeps them) and ``recurrent``
@@ -95,9 +98,10 @@ class StatePool:
         self.num_slots = num_slots
         self.sink_slot = num_slots
         self.zero_slot = num_slots + 1
-        self.conv = torch.zeros(g.layers, num_slots + 2, g.conv_channels, g.conv_kernel - 1,
+        slots = num_slots + RESERVED_SLOTS
+        self.conv = torch.zeros(g.layers, slots, g.conv_channels, g.conv_kernel - 1,
                                 dtype=dtype, device=device)
-        self.recurrent = torch.zeros(g.layers, num_slots + 2, g.v_heads, g.k_dim, g.v_dim,
+        self.recurrent = torch.zeros(g.layers, slots, g.v_heads, g.k_dim, g.v_dim,
                                      dtype=torch.float32, device=device)
         self.step = None  # the step plan of the forward about to run (begin_step)
         self.handle = register_pool(self)
@@ -122,3 +126,8 @@ class StatePool:
     def bytes(self) -> int:
         """Bytes of this rank's state pool (the sink and zero slots included)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @staticmethod
+    def bytes_for(geometry: LinearGeometry, num_slots: int, dtype: torch.dtype) -> int:
+        """``bytes`` of a pool of ``num_slots`` request slots, without allocating it."""
+        return (num_slots + RESERVED_SLOTS) * geometry.slot_bytes(dtype)
