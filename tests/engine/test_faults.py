@@ -227,10 +227,12 @@ def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch
 
 # --- Engine arguments ---
 
+def _no_pool(*args, **kwargs):
+    raise AssertionError("a pool was allocated before the arguments were checked")
+
+
 def test_every_bad_engine_argument_is_named_at_once_before_allocation(model, monkeypatch):
-    def no_pool(*args, **kwargs):
-        raise AssertionError("a pool was allocated before the arguments were checked")
-    monkeypatch.setattr(model.torch_cp, "new_pool", no_pool)
+    monkeypatch.setattr(model.torch_cp, "new_pool", _no_pool)
     with pytest.raises(ValueError) as e:
         Engine(model, num_pages=0, page_size=-8, max_tokens_per_step=0, max_rows=0,
                max_pages_per_row=-1, mixed_buckets=[(4, 2), (0, 8), "x"])
@@ -269,9 +271,7 @@ def test_mixed_buckets_the_mla_planner_refuses_are_named_before_allocation(model
     refused = mixed_bucket_problems([(4, 16384)], 128, 132)
     assert len(refused) == 1 and "mixed bucket (4, 16384)" in refused[0]
 
-    def no_pool(*args, **kwargs):
-        raise AssertionError("a pool was allocated before the arguments were checked")
-    monkeypatch.setattr(model.torch_cp, "new_pool", no_pool)
+    monkeypatch.setattr(model.torch_cp, "new_pool", _no_pool)
     monkeypatch.setattr(model.torch_cp, "backend", SimpleNamespace(
         mixed_bucket_problems=lambda shapes: mixed_bucket_problems(shapes, 128, 132)))
     with pytest.raises(ValueError) as e:
