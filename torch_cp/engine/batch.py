@@ -90,8 +90,7 @@ class BatchRuns:
                             request.index, tuple(request.generated), reason, error=error,
                             logprobs=tuple(token_logprobs[request.index]))
                         bar.stop(request)
-            if self._inflight is not None:  # launched for requests that then stopped at EOS
-                self._inflight.host_ids()
+            self._settle_ahead()
         except BaseException:  # KeyboardInterrupt too: the pool must be whole for the next run
             scheduler.abort_all()
             raise

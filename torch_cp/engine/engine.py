@@ -160,6 +160,14 @@ class Engine(BatchRuns, Serving):
         """Bytes of this rank's linear-attention state pool (hybrid models; else 0)."""
         return self.state.bytes if self.state is not None else 0
 
+    def _settle_ahead(self) -> None:
+        """Once nothing runs: wait for the step launched ahead (for requests that an EOS, a stop
+        or an abort then ended; nothing will commit it) and drop it and any step planned
+        ahead."""
+        if self._inflight is not None:
+            self._inflight.host_ids()
+        self._ahead = self._inflight = None
+
     def _step(self, scheduler: Scheduler, sampling: SamplingParams, generators, eos):
         """Finish one step: the one launched ahead during the previous step, else the
         scheduler's next (retried smaller when the backend refuses it). With

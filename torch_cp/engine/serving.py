@@ -148,10 +148,8 @@ class Serving:
                 self.prefilled_tokens += prefilled
                 self.reused_tokens += scheduler.reused_tokens - reused
                 self._report(ended)
-            if scheduler.done and self._inflight is not None:
-                # Launched ahead for requests a stop or an abort then ended: nothing commits it.
-                self._inflight.host_ids()
-                self._ahead = self._inflight = None
+            if scheduler.done:
+                self._settle_ahead()
         except BaseException:
             scheduler.abort_all()
             self._options.clear()
