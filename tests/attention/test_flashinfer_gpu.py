@@ -83,16 +83,16 @@ def test_gqa_decode_both_kernels(tensor_cores):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tensor_cores", [False, True])
 @pytest.mark.parametrize("size", [1, 2])
-def test_a_large_gqa_group_plans_within_its_workspace(tensor_cores, size):
+def test_a_large_gqa_group_plans_within_its_workspace(size):
     """GLM-4-32B's attention (48 query heads over 2 KV heads, group 24): split-KV scratch for
-    a 32k-token row passes the default 128 MiB workspace (``workspace_bytes`` sizes it)."""
+    a 32k-token row passes the default 128 MiB workspace (``workspace_bytes`` sizes it). Decode
+    runs on tensor cores: FlashInfer's CUDA-core decode has no group 24 (run 66: "Unsupported
+    group_size: 24"; forcing it is refused, ``test_flashinfer_gqa.py``)."""
     shape = Shape("gqa", 48, 2, 128, 128)
     batch = Batch(q_lens=(1,) * 4, ctx_lens=(32768, 5000, 17, 0))
     inputs = make_inputs(shape, batch, torch.bfloat16, "cuda", seed=24)
-    got = run_placed(flashinfer_backend(decode_tensor_cores=tensor_cores), shape, size, "sp",
-                     batch, inputs)
+    got = run_placed(flashinfer_backend(), shape, size, "sp", batch, inputs)
     assert_close_real(got.merged, reference(shape, batch, inputs), inputs.num_tokens)
 
 
@@ -233,6 +233,17 @@ def test_harness_exchange_with_torch_backend_on_cpu(mode):
         n = inputs.num_tokens
         torch.testing.assert_close(got.out[:n], want.out[:n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.lse[:n], want.lse[:n], atol=1e-5, rtol=1e-5)
+
+
+def test_forced_cuda_core_decode_of_a_group_it_lacks_is_refused_on_cpu():
+    """Before any allocation, with every problem named: FlashInfer's CUDA-core decode has no
+    group 24 (run 66: "Unsupported group_size: 24" from inside its planner)."""
+    from torch_cp.attention.backend import AttentionGeometry
+    from torch_cp.attention.flashinfer_gqa import FlashInferGQABackend
+
+    geometry = AttentionGeometry("gqa", 48, 2, 128, 64, 128 ** -0.5, 48)
+    with pytest.raises(ValueError, match="head_dim 128 != head_dim_v 64.*not 24"):
+        FlashInferGQABackend(geometry, "cpu", decode_tensor_cores=False)
 
 
 @pytest.mark.gpu

@@ -43,6 +43,34 @@ def _ties(model, ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
     return found
 
 
+class tied_positions:
+    """Context manager: the positions of the token batch that ``model``'s routers see inside it
+    (``[-1, hidden]`` rows of every gate call) where a router's k-th and (k+1)-th choices are
+    within ``near_tie``: there a computation in another order (a compiled layer) may route the
+    token to another expert. ``positions`` is filled on exit."""
+
+    def __init__(self, model):
+        self.model, self.positions = model, set()
+        self.k = model.config.get_text_config().num_experts_per_tok
+
+    def __enter__(self):
+        def make(_index):
+            def hook(gate, args, _out):
+                scores = choice_scores(gate, args[0].reshape(-1, gate.weight.shape[-1]))
+                top = scores.sort(-1, descending=True).values
+                for p in range(scores.shape[0]):
+                    gap = (top[p, self.k - 1] - top[p, self.k]).item()
+                    if near_tie(gap, top[p].abs().max().item()):
+                        self.positions.add(p)
+            return hook
+
+        self.hooked = _hooked(self.model, make)
+        return self
+
+    def __exit__(self, *exc):
+        self.hooked.__exit__(*exc)
+
+
 class _hooked:
     def __init__(self, model, make_hook):
         self.handles = [g.register_forward_hook(make_hook(i)) for i, g in enumerate(gates(model))]

@@ -54,9 +54,12 @@ class FlashInferGQABackend(FlashInferBackend):
             problems.append(f"head_dim {geometry.head_dim} != head_dim_v {geometry.head_dim_v}")
         if geometry.context_q_heads % geometry.kv_heads or geometry.q_heads % geometry.kv_heads:
             problems.append("query heads must be a multiple of kv_heads")
+        group = geometry.context_q_heads // geometry.kv_heads
+        if decode_tensor_cores is False and group not in CUDA_CORE_DECODE_GROUPS:
+            problems.append(f"decode_tensor_cores=False: FlashInfer's CUDA-core decode takes GQA "
+                            f"groups {CUDA_CORE_DECODE_GROUPS}, not {group} (leave it None)")
         if problems:
             raise ValueError("FlashInferGQABackend: " + "; ".join(problems))
-        group = geometry.context_q_heads // geometry.kv_heads
         self.decode_tensor_cores = (use_tensor_core_decode(group) if decode_tensor_cores is None
                                     else decode_tensor_cores)
         super().__init__(geometry, device, dtype)

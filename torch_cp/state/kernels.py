@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch_cp import compat
 
 KERNELS = ("torch", "fla")
-# Whether ``"fla"`` steps run the conv through torch_cp's in-place kernels (conv_kernel.py).
-# Off until a GPU run has compiled them (they are tested in Triton's interpreter).
-CONV_KERNELS = False
+# Whether ``"fla"`` steps run the conv through torch_cp's in-place kernels (conv_kernel.py);
+# off, transformers' torch conv. On since run 64 (docs/gpu-runs.md): every hybrid GPU test passed
+# through them, and Qwen3.5-9B's batch-1 step fell from 5.72 to 5.20 ms (BENCHMARKS.md).
+CONV_KERNELS = True
 
 
 def fla_available() -> bool:
