@@ -113,3 +113,24 @@ def test_decode_kernel_on_one_layer_of_the_pool_from_strided_views(device):
         torch.testing.assert_close(got[layer, slot], want_states[slot], atol=1e-5, rtol=1e-5)
     others = [i for i in range(layers) if i != layer]
     assert torch.equal(got[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
+
+
+def test_a_key_head_the_kernel_cannot_hold_takes_the_recurrent_rule(monkeypatch):
+    """Dk = 48 (not a power of two, which the kernel's key block needs): ``kernels="fla"``
+    decode runs the library's recurrent rule on gathered states instead of failing (here the
+    torch rule stands in for fla's, which needs CUDA)."""
+    import torch_cp.state.kernels as kernels_module
+
+    monkeypatch.setattr(kernels_module, "_functions",
+                        lambda kernels: compat.torch_gated_delta_rules())
+    g = torch.Generator().manual_seed(1)
+    states = torch.randn(SLOTS + 2, HV, 48, DV, generator=g)
+    states[ZERO] = 0
+    inputs = [torch.randn(ROWS, HK, 48, generator=g), torch.randn(ROWS, HK, 48, generator=g),
+              torch.randn(ROWS, HV, DV, generator=g), -torch.rand(ROWS, HV, generator=g),
+              torch.rand(ROWS, HV, generator=g)]
+    slots, fresh = torch.tensor([3, 0, 5, 6, 7]), torch.tensor(FRESH_B)
+    want_out, want_states = reference(inputs, states, slots, fresh)
+    got = delta_rule_step(*inputs, states, slots, fresh, None, True, "fla")
+    torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)

@@ -114,7 +114,10 @@ def delta_rule_step(q_nhk: torch.Tensor, k_nhk: torch.Tensor, v_nhv: torch.Tenso
     [slots, Hv, Dk, Dv] float32: one layer's recurrent states (the last slot: zeros, never
     written), updated in place. ``qo_indptr_host``: the same bounds on the host (no device
     read). Returns [N, Hv, Dv] in v's dtype (tokens past the rows: zeros)."""
-    if decode and kernels == "fla":  # the pool read and written in place (decode_kernel.py)
+    dk = q_nhk.shape[-1]
+    # The pool read and written in place (decode_kernel.py), whose key block is one tl.arange:
+    # a power-of-two Dk (every Qwen3.5 / Qwen3-Next head: 128); others take fla's rule below.
+    if decode and kernels == "fla" and dk & (dk - 1) == 0:
         from torch_cp.state.decode_kernel import decode_step_in_place
 
         return decode_step_in_place(q_nhk, k_nhk, v_nhv, g_nh, beta_nh, states, slots_b, fresh_b)
