@@ -202,12 +202,18 @@ def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None
 def fused_forward(router: nn.Module):
     """A forward for ``router`` (one ``routers`` gave) with its own signature and results,
     (logits, weights, ids): its GEMM as it runs it, then ``route``. The caller installs it and
-    keeps the original, as for the attention forwards."""
+    keeps the original, as for the attention forwards. Where a gradient is wanted (the kernel's
+    weights have none) or under autocast (which rounds transformers' float32 sigmoid scores to
+    bf16, and the choice with them), the router's own forward runs instead."""
     routing = routing_of(router)
     assert routing is not None, type(router).__name__
     sigmoid = routing.kind == "sigmoid"
+    own_forward = router.forward
 
     def forward(hidden_states: torch.Tensor):
+        if torch.is_autocast_enabled(hidden_states.device.type) or torch.is_grad_enabled() and (
+                hidden_states.requires_grad or router.weight.requires_grad):
+            return own_forward(hidden_states)
         x = hidden_states.reshape(-1, router.hidden_dim)
         if sigmoid:
             logits = F.linear(x.float(), router.weight.float())

@@ -186,6 +186,33 @@ def test_patched_model_routes_through_the_kernel(monkeypatch):
     assert "forward" not in router.__dict__
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe"])
+def test_gradients_and_autocast_take_the_routers_own_forward(name, monkeypatch):
+    """The kernel's weights carry no gradient, and autocast rounds the sigmoid router's scores
+    to bf16 before its choice: with a gradient wanted or under autocast the installed forward
+    gives exactly the router's own results (and the router's weight its gradient)."""
+    router = router_of(FAMILIES[name](torch.float32))
+    calls = []
+    route = fr.route
+    monkeypatch.setattr(fr, "route", lambda *a: calls.append(1) or route(*a))
+    forward = fr.fused_forward(router)
+    x = torch.randn(5, router.hidden_dim, requires_grad=True)
+    for a, b in zip(forward(x), router(x)):
+        assert torch.equal(a, b)
+    forward(x)[1].sum().backward()
+    want = router.weight.grad.clone()
+    router.weight.grad = None
+    router(x)[1].sum().backward()
+    assert torch.equal(router.weight.grad, want) and want.abs().sum() > 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for a, b in zip(forward(x), router(x)):
+            assert torch.equal(a, b)
+    assert not calls
+    with torch.no_grad():
+        forward(x)
+    assert calls, "without either, the kernel"
+
+
 class StandInKernel:
     """``_route[grid](...)`` as torch ops: Triton's interpreter cannot be traced by Dynamo."""
 
