@@ -29,6 +29,7 @@ no job inherits another's memory); each appends its records to ``--out``:
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,10 +57,16 @@ def build(name: str, device, smoke: bool):
 
 
 def pool_tokens(model, device, args) -> int:
-    """Tokens of the largest pool this rank's memory holds (``--smoke``: in ``SMOKE_BYTES``)."""
+    """Tokens of the largest pool every rank's memory holds (``--smoke``: in ``SMOKE_BYTES``):
+    the ranks' least, so that all size their batch and their buckets alike (one rank's larger
+    batch would leave its collectives unmatched)."""
     if args.smoke:
-        return SMOKE_BYTES // pool_bytes_per_page(model.torch_cp, PAGE) * PAGE
-    return capacity_tokens(model, device, args.reserve_gib)
+        tokens = SMOKE_BYTES // pool_bytes_per_page(model.torch_cp, PAGE) * PAGE
+    else:
+        tokens = capacity_tokens(model, device, args.reserve_gib)
+    least = torch.tensor([tokens], device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return int(least.item())
 
 
 def decode(model, device, args, batch: int, context: int) -> dict:
@@ -75,13 +82,12 @@ def decode(model, device, args, batch: int, context: int) -> dict:
     return dict(step_ms=ms, tokens_per_s=batch * 1e3 / ms)
 
 
-def run_tp(args, device, world: int) -> list[dict]:
+def run_tp(args, device, world: int) -> Iterator[dict]:
     mesh = torch_cp.init_mesh(tp=world, device_type=device.type)
     model = build(args.model, device, args.smoke)
     torch_cp.patch_model(model, context_parallel=args.context_parallel, mesh=mesh, mode="tp",
                          backend=args.backend, page_size=PAGE)
     capacity = pool_tokens(model, device, args)
-    records = []
     for context in args.contexts:
         batch = min(args.max_batch, capacity // (context + NEW))
         record = dict(setup="tp", model=args.model, context_parallel=args.context_parallel,
@@ -92,11 +98,10 @@ def run_tp(args, device, world: int) -> list[dict]:
         else:
             record.update(decode(model, device, args, batch, context))
             record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / world
-        records.append(record)
-    return records
+        yield record
 
 
-def run_sp(args, device, world: int) -> list[dict]:
+def run_sp(args, device, world: int) -> Iterator[dict]:
     mesh = torch_cp.init_mesh(sp=world, device_type=device.type) if world > 1 else None
     model = build(args.model, device, args.smoke)
     torch_cp.patch_model(model, context_parallel=world > 1, mesh=mesh,
@@ -108,7 +113,7 @@ def run_sp(args, device, world: int) -> list[dict]:
                   context=context, batch=1)
     record.update(decode(model, device, args, 1, context) if context > 0 else
                   dict(skipped="no request fits"))
-    return [record]
+    yield record
 
 
 def main() -> None:
@@ -132,10 +137,10 @@ def main() -> None:
     device, world, rank = torchrun_setup(args.smoke)
     args.backend = args.backend or ("flashinfer" if device.type == "cuda" else "torch")
     results = appending_results(args.out, rank, device)
-    records = (run_tp if args.setup == "tp" else run_sp)(args, device, world)
+    records = []
+    for record in (run_tp if args.setup == "tp" else run_sp)(args, device, world):
+        records.append(results.add(**record))  # on disk before the next context's run
     if rank == 0:
-        for record in records:
-            results.add(**record)
         print(table(records, ["setup", "model", "context_parallel", "P", "context",
                               "capacity_tokens", "batch", "step_ms", "tokens_per_s_per_gpu",
                               "skipped"]))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import random
 import time
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import Results, run_header, table
+from benchmarks.common import appending_results, table
 
 PAGE = 16
 
@@ -148,11 +147,14 @@ def main() -> None:
             setattr(args, name, value)
     if args.smoke:
         args.tokens_per_step = min(args.tokens_per_step, 32)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and args.scenario == "poisson":
+        parser.error("--scenario poisson runs in one process: under torchrun each rank's own "
+                     "clock would decide when its requests arrive")
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    world = int(os.environ.get("WORLD_SIZE", 1))
     mesh = None
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo",
@@ -167,10 +169,7 @@ def main() -> None:
         model, args, device, world)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        results = Results(args.out, run_header(device))
-        if args.out and os.path.exists(args.out):
-            with open(args.out) as f:
-                results.data["records"] = json.load(f)["records"]
+        results = appending_results(args.out, rank, device)
         for record in records:
             results.add(**record)
         print(table(records, ["scenario", "P", "prefix_caching", "requests", "first_ttft_s",
