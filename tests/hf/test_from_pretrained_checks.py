@@ -57,6 +57,30 @@ def test_one_rank_loads_what_transformers_loads(checkpoints, name, dtype):
     assert model.torch_cp.tp == 1
 
 
+@pytest.mark.parametrize("name, where", [("qwen3", None), ("qwen3_5", "text_config")])
+def test_without_a_dtype_the_checkpoints_own_is_taken_as_transformers_takes_it(
+        checkpoints, tmp_path, name, where):
+    """A bf16 checkpoint whose config.json names its dtype nowhere, or (a multimodal one) only
+    in its text config: dtype None loads bf16, as transformers' default ("auto") does from the
+    first floating tensor, not float32."""
+    import json
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name]) if \
+        name == "qwen3" else transformers.AutoModelForImageTextToText.from_pretrained(
+            checkpoints[name])
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    dtype = config.pop("dtype")
+    if where:
+        config[where]["dtype"] = dtype
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    got = torch_cp.from_pretrained(tmp_path, device="cpu")
+    assert want.dtype == got.dtype == torch.bfloat16
+    for key, tensor in want.state_dict().items():
+        assert torch.equal(got.state_dict()[key], tensor), key
+
+
 def test_every_problem_is_named_before_any_weight_is_read(checkpoints, one_rank_world,
                                                           no_reads):
     with pytest.raises(ValueError) as info:

@@ -46,11 +46,12 @@ Runs = list[tuple[int, int]]  # [start, stop) ranges along one dimension, in ord
 
 @dataclass(frozen=True)
 class Leaf:
-    """One checkpoint tensor: its key, file and shape."""
+    """One checkpoint tensor: its key, file, shape and safetensors dtype ("BF16", "F32", ...)."""
 
     key: str
     file: str
     shape: tuple[int, ...]
+    dtype: str = ""
 
     @property
     def files(self) -> set[str]:
@@ -127,7 +128,8 @@ def read_headers(path: Path) -> tuple[dict[str, Leaf], list[str]]:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
                 if weight_map is None or weight_map.get(key) == name:
-                    leaves[key] = Leaf(key, name, tuple(f.get_slice(key).get_shape()))
+                    part = f.get_slice(key)
+                    leaves[key] = Leaf(key, name, tuple(part.get_shape()), part.get_dtype())
     if weight_map:
         lost = sorted(k for k, name in weight_map.items() if k not in leaves
                       and (path / name).is_file())

@@ -45,11 +45,20 @@ from torch_cp.hf.patch import patch_validated, shard_model
 from torch_cp.hf.validate import DTYPES, patch_problems
 from torch_cp.tp import SHARD_ATTR, shard_of
 
+# safetensors' names of the floating dtypes a checkpoint's weights come in
+FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+               "F64": torch.float64}
 
-def _dtype(dtype, config, problems: list[str]) -> torch.dtype:
-    """The dtype asked for (None or "auto": the checkpoint's ``config.dtype``, else float32)."""
+
+def _dtype(dtype, config, leaves: dict, problems: list[str]) -> torch.dtype:
+    """The dtype asked for. None or "auto", as transformers' default: ``config.dtype``, else
+    the text config's (a multimodal checkpoint may name it only there), else the checkpoint's
+    first floating tensor's, else float32."""
     if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None) or torch.float32
+        on_file = (FILE_DTYPES[leaf.dtype] for leaf in leaves.values()
+                   if leaf.dtype in FILE_DTYPES)
+        dtype = (getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
+                 or next(on_file, torch.float32))
     if isinstance(dtype, str):  # "bfloat16", as config.json spells it
         dtype = getattr(torch, dtype, dtype)
     if dtype not in DTYPES:
@@ -144,8 +153,9 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
         path: a local directory with ``config.json`` and ``model.safetensors`` (or
             ``model.safetensors.index.json`` and its shards), as ``save_pretrained`` writes.
         mesh, mode, context_parallel, backend, page_size: as ``patch_model``'s.
-        dtype: float32, bfloat16 or float16 (or its name); None or "auto": the checkpoint's
-            (``config.dtype``), float32 when it names none. Parameters the model class keeps in
+        dtype: float32, bfloat16 or float16 (or its name); None or "auto": the checkpoint's,
+            as transformers takes it (``config.dtype``, here also its text config's, else its
+            first floating tensor's), float32 when it has none. Parameters the model class keeps in
             float32 (``_keep_in_fp32_modules``, e.g. MoE routers) stay float32, as transformers
             loads them.
         device: where the weights go; None: the mesh's device type (CUDA: the current device),
@@ -164,14 +174,14 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
                          f"local checkpoint; download one with huggingface_hub.snapshot_download)")
     config = transformers.AutoConfig.from_pretrained(path)
     problems: list[str] = []
-    dtype = _dtype(dtype, config, problems)
+    leaves, file_problems = read_headers(path)
+    dtype = _dtype(dtype, config, leaves, problems)
     device = _device(device, mesh)
     model = _meta_model(config, dtype)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     settings, refused = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                        mode=mode, backend=backend, page_size=page_size,
                                        device=device)
-    leaves, file_problems = read_headers(path)
     trees, key_problems = map_checkpoint(model, leaves) if leaves else ({}, [])
     problems += refused + file_problems + key_problems
     if problems:
