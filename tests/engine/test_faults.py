@@ -102,6 +102,27 @@ def test_a_failed_step_returns_every_page_and_the_next_run_is_unchanged(
         assert _tokens(engine.run(PROMPTS, NEW, sampling)) == expected[overlap, sampling], k
 
 
+def test_an_interrupt_while_pages_return_loses_none(model, expected, monkeypatch):
+    """A Ctrl-C inside the prefix cache's give-back (a finished request's pages half returned,
+    its table already gone): the fault handling reconciles the pool, every page is back and
+    the next run's tokens are unchanged (review, session 14)."""
+    engine = Engine(model, prefix_caching=True, **ENGINE)
+    give_back, armed = engine.allocator._give_back, [True]
+
+    def interrupted(pages):
+        if armed[0] and len(pages) > 1:
+            armed[0] = False
+            give_back(pages[:1])
+            raise KeyboardInterrupt
+        give_back(pages)
+    monkeypatch.setattr(engine.allocator, "_give_back", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run(PROMPTS, NEW)
+    assert engine.allocator.free_pages == engine.allocator.num_pages
+    assert set(engine.allocator.state().refcounts) == {0}
+    assert _tokens(engine.run(PROMPTS, NEW)) == expected[False, SamplingParams()]
+
+
 def test_every_kind_of_fault_is_re_raised_as_itself(model, expected, monkeypatch):
     """Each fault on a decode step launched ahead: the same exception object reaches the caller
     (KeyboardInterrupt is not swallowed or wrapped), and the engine runs on."""

@@ -121,3 +121,20 @@ def test_refusal_leaves_later_decisions_unchanged():
 def test_bad_geometry_is_refused(pages, size):
     with pytest.raises(ValueError, match="num_pages >= 1, page_size >= 1"):
         PageAllocator(pages, size)
+
+
+def test_reconcile_frees_what_no_table_holds_and_keeps_the_tables():
+    """After an interrupt between taking pages (or a slot) and recording them, ``reconcile``
+    (the engine's fault handling calls it) frees them; live tables, their tensors and slots
+    stay, and the free list keeps its order."""
+    a = PageAllocator(6, 2, state_slots=3)
+    assert a.reserve("x", 3)
+    slot = a.take_state_slot("x")
+    a._take(2)  # popped, never in a table
+    a._free_slots.popleft()  # taken, never recorded
+    a.reconcile()
+    assert a.free_pages == 4 and a.free_state_slots == 2
+    assert a.table("x") == [0, 1] and a.table_tensor("x").tolist() == [0, 1]
+    assert a.state_slot("x") == slot and list(a._free) == [4, 5, 2, 3]
+    a.release("x")
+    assert a.free_pages == 6 and a.free_state_slots == 3

@@ -311,3 +311,66 @@ def test_keys_kept_by_the_caller_match_exactly_as_hashing_does():
         assert (alloc.admission_pages(prompt, 20, keys=keys)
                 == alloc.admission_pages(prompt, 20))
     assert alloc.admit("b", cached[:9], keys=page_keys(cached[:9], 4)) == 8
+
+
+def test_an_interrupt_anywhere_in_the_allocator_loses_no_page_once_reconciled():
+    """A KeyboardInterrupt may land between any two lines of ``admit``, ``reserve`` (evicting)
+    or ``release``. For each line in turn: interrupt there, then do what the engine's fault
+    handling does (``release_all``: release every live request, then ``reconcile``): every
+    page is free or cached exactly once, no count is left, each cached key names one page both
+    ways, every state slot is free, and the allocator serves the same prompts again."""
+    import functools
+    import os
+    import sys
+
+    kv_dir = os.path.dirname(PrefixCachingAllocator.__init__.__code__.co_filename)
+
+    def scenario(a):
+        filled(a, "x", [1, 2, 3, 4, 5])  # pages 0, 1 cached on release, page 2 freed
+        a.release("x")
+        filled(a, "y", [1, 2, 7, 8, 9, 10, 11])  # shares page 0, evicts page 1
+        a.take_state_slot("y")
+        a.release("y")
+
+    def completes(action, at: int) -> bool:
+        """Run ``action`` with a KeyboardInterrupt at its ``at``-th line in kv/; whether it
+        ran to its end."""
+        seen = [0]
+
+        def tracer(frame, event, arg):
+            if not frame.f_code.co_filename.startswith(kv_dir):
+                return None
+
+            def line(frame, event, arg):
+                if event == "line":
+                    seen[0] += 1
+                    if seen[0] == at:
+                        raise KeyboardInterrupt
+                return line
+            return line
+
+        sys.settrace(tracer)
+        try:
+            action()
+            return True
+        except KeyboardInterrupt:
+            return False
+        finally:
+            sys.settrace(None)
+
+    lines = 1
+    while True:
+        a = PrefixCachingAllocator(4, 2, state_slots=2)
+        done = completes(functools.partial(scenario, a), lines)
+        a.release_all()
+        state = a.state()
+        assert state.tables == () and set(state.refcounts) == {0}, lines
+        assert sorted(state.free + state.evictable) == list(range(4)), lines
+        assert all(state.keys[p] is None for p in state.free), lines
+        assert a._page_of == {k: p for p, k in enumerate(state.keys) if k is not None}, lines
+        assert a.free_state_slots == 2 and a.free_pages == 4, lines
+        scenario(a)  # usable: the same prompts again
+        if done:
+            break
+        lines += 1
+    assert lines > 50, "the interrupts walked every line of the scenario"

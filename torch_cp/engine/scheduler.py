@@ -289,8 +289,7 @@ class Scheduler:
         for index in list(self.running):
             self.abort(index)
         self.waiting.clear()
-        for index in self.allocator.live_requests:  # interrupted between a pop and its release
-            self.allocator.release(index)
+        self.allocator.release_all()  # also what an interrupt left half taken or returned
 
 
 def writes_shared_page(allocator: PageAllocator, rows: list[Row]) -> bool:
