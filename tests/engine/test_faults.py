@@ -104,8 +104,8 @@ def test_a_failed_step_returns_every_page_and_the_next_run_is_unchanged(
 
 def test_an_interrupt_while_pages_return_loses_none(model, expected, monkeypatch):
     """A Ctrl-C inside the prefix cache's give-back (a finished request's pages half returned,
-    its table already gone): the fault handling reconciles the pool, every page is back and
-    the next run's tokens are unchanged (review, session 14)."""
+    its table already gone): the fault handling resets the allocator (``release_all``), every
+    page is back and the next run's tokens are unchanged (review, session 14)."""
     engine = Engine(model, prefix_caching=True, **ENGINE)
     give_back, armed = engine.allocator._give_back, [True]
 

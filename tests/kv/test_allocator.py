@@ -123,18 +123,16 @@ def test_bad_geometry_is_refused(pages, size):
         PageAllocator(pages, size)
 
 
-def test_reconcile_frees_what_no_table_holds_and_keeps_the_tables():
-    """After an interrupt between taking pages (or a slot) and recording them, ``reconcile``
-    (the engine's fault handling calls it) frees them; live tables, their tensors and slots
-    stay, and the free list keeps its order."""
+def test_release_all_leaves_a_new_allocators_state_whatever_an_interrupt_left():
+    """Pages taken but never put in a table, a slot taken but never recorded, a live request:
+    ``release_all`` (the engine's fault handling) frees all of it, in a new allocator's order,
+    so every partner is alike again whatever line an interrupt cut on each."""
     a = PageAllocator(6, 2, state_slots=3)
     assert a.reserve("x", 3)
-    slot = a.take_state_slot("x")
+    a.take_state_slot("x")
     a._take(2)  # popped, never in a table
     a._free_slots.popleft()  # taken, never recorded
-    a.reconcile()
-    assert a.free_pages == 4 and a.free_state_slots == 2
-    assert a.table("x") == [0, 1] and a.table_tensor("x").tolist() == [0, 1]
-    assert a.state_slot("x") == slot and list(a._free) == [4, 5, 2, 3]
-    a.release("x")
-    assert a.free_pages == 6 and a.free_state_slots == 3
+    a.release_all()
+    assert a.live_requests == [] and list(a._free) == list(range(6))
+    assert list(a._free_slots) == [0, 1, 2] and a.table_tensor("x").numel() == 0
+    assert a.reserve("y", 5) and a.table("y") == [0, 1, 2]

@@ -93,32 +93,19 @@ class PageAllocator:
         return self._slot_of[request_id]
 
     def release_all(self) -> None:
-        """Release every live request (one interrupted between leaving the scheduler and its
-        ``release`` too), then ``reconcile``."""
-        for request in self.live_requests:
-            self.release(request)
-        self.reconcile()
-
-    def reconcile(self) -> None:
-        """Rebuild the free lists from the live tables, which stay as they are: every page no
-        table holds is free, every state slot no request holds is free. A KeyboardInterrupt can
-        land between any two lines of ``reserve`` or ``release`` (a page popped from the free
-        list but not yet in a table, a table popped with its pages not yet given back); after
-        one, the engine's fault handling calls ``release_all``."""
-        held = {page for table in self._tables.values() for page in table}
-        self._reconcile_pages(held)
-        slots = set(self._slot_of.values())
-        self._free_slots = _in_order(self._free_slots, range(self.state_slots), slots)
-        self._arrays = {r: a for r, a in self._arrays.items() if r in self._tables}
-        for request, table in self._tables.items():
-            self._arrays.pop(request, None)
-            self._tables[request] = []
-            self._extend(request, table)
+        """Release every live request and return to the state of a new allocator: every page
+        and state slot free, in order. The engine's fault handling calls it. A
+        KeyboardInterrupt can land between any two lines of ``reserve`` or ``release`` (a page
+        popped from the free list but not yet in a table, a table popped with its pages not
+        yet given back), and on each partner at another line: rebuilding from what is left
+        could leave partners deciding differently, a fresh state cannot."""
+        self._tables.clear()
+        self._arrays.clear()
+        self._slot_of.clear()
+        self._free = deque(range(self.num_pages))
+        self._free_slots = deque(range(self.state_slots))
 
     # Hooks a caching allocator overrides: where pages come from and where they go back.
-    def _reconcile_pages(self, held: set[int]) -> None:
-        self._free = _in_order(self._free, range(self.num_pages), held)
-
     def _take(self, count: int) -> list[int]:
         return [self._free.popleft() for _ in range(count)]
 
@@ -137,8 +124,3 @@ class PageAllocator:
                     grown[:len(table) - len(new)] = array[:len(table) - len(new)]
                 array = self._arrays[request_id] = grown
             array[len(table) - len(new):len(table)] = torch.tensor(new, dtype=torch.int64)
-
-
-def _in_order(listed, every, held: set[int]) -> deque[int]:
-    """Every item of ``every`` not in ``held``, once: those of ``listed`` first, in its order."""
-    return deque(dict.fromkeys(i for i in (*listed, *every) if i not in held))

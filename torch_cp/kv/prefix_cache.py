@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_cp.kv.allocator import PageAllocator, _in_order
+from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.state_checkpoints import StateCheckpoints
 
 _ROOT = b""
@@ -218,33 +218,19 @@ class PrefixCachingAllocator(PageAllocator):
         self._restores.pop(request_id, None)
         super().release(request_id)
 
-    def _reconcile_pages(self, held: set[int]) -> None:
-        # Counts from the tables; a key kept only where both maps agree (eviction may have been
-        # cut between them); unheld pages cached (LRU, old order first) or free.
+    def release_all(self) -> None:
+        """``PageAllocator.release_all``, the cache and the state checkpoints emptied too (a
+        fault costs the cached prefixes, never a partner's agreement)."""
+        super().release_all()
+        self._keys.clear()
+        self._restore_from.clear()
+        self._restores.clear()
         self._refs = [0] * self.num_pages
-        for table in self._tables.values():
-            for page in table:
-                self._refs[page] += 1
-        for key, page in list(self._page_of.items()):
-            if self._key_of[page] != key:
-                del self._page_of[key]
-                if self.checkpoints is not None:
-                    self.checkpoints.drop(key)
-        for page, key in enumerate(self._key_of):
-            if key is not None and self._page_of.get(key) != page:
-                self._key_of[page] = None
-        uncached = {p for p in range(self.num_pages) if self._key_of[p] is None}
-        self._lru = OrderedDict.fromkeys(
-            _in_order(self._lru, range(self.num_pages), held | uncached))
-        self._free = _in_order(self._free, range(self.num_pages),
-                               held | (set(range(self.num_pages)) - uncached))
-        for request in [*self._keys, *self._restore_from, *self._restores]:
-            if request not in self._tables:
-                self._keys.pop(request, None)
-                self._restore_from.pop(request, None)
-                self._restores.pop(request, None)
+        self._key_of = [None] * self.num_pages
+        self._page_of.clear()
+        self._lru.clear()
         if self.checkpoints is not None:
-            self.checkpoints.reconcile()
+            self.checkpoints = StateCheckpoints(self.checkpoints.slots)
 
     def _match(self, prompt: list[int], max_cached_tokens: int | None,
                known: Sequence[bytes] | None = None, checkpointed: bool = True):

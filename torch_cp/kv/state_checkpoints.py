@@ -73,11 +73,6 @@ class StateCheckpoints:
         if slot is not None:
             self._free.append(slot)
 
-    def reconcile(self) -> None:
-        """Every slot no checkpoint holds is free (after an interrupted ``take``)."""
-        held = set(self._slot_of.values())
-        self._free = deque(dict.fromkeys(s for s in (*self._free, *self.slots) if s not in held))
-
     def held(self) -> dict[bytes, int]:
         """key -> slot of every checkpoint, least recently used first (tests)."""
         return dict(self._slot_of)
