@@ -51,9 +51,10 @@ def register_fused(device: torch.device) -> bool:
 
 
 # Whether patch_model installs the router kernel (graphs/fused_router.py) on CUDA; off, the
-# routers stay transformers'. On since runs 64-66 (docs/gpu-runs.md): every MoE family's GPU
-# tests passed through it, eager, captured and compiled, and Qwen3-30B-A3B's replayed batch-1
-# step fell from 4.21 to 3.86 ms.
+# routers stay transformers'. On since runs 64-66 (docs/gpu-runs.md): the MoE GPU tests passed
+# through it, eager, captured and compiled, except glm4_moe's compiled replay, which fails the
+# same with it off (runs 66-68); Qwen3-30B-A3B's replayed batch-1 step fell from 4.21 to 3.86 ms.
+# Not yet run over NCCL.
 KERNEL_ROUTERS = True
 
 
