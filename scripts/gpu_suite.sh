@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU test suite in three parts, each meant to fit for one 600 s call of the project's lent
+# The one-GPU test suite in three parts, each meant to fit one 600 s call of the project's lent
 # GPU machine (docs/gpu-runs.md: the whole suite took 446 s in run 58 and more since Dynamo is
 # reset before each GPU test). Logs, with per-test durations, go to $OUT (default: ./gpu-logs).
 #   scripts/gpu_suite.sh 1    # attention/, engine/, kv/
