@@ -286,8 +286,7 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drop every request, running or waiting, and return their pages (a step failed)."""
-        for index in list(self.running):
-            self.abort(index)
+        self.running.clear()
         self.waiting.clear()
         self.allocator.release_all()  # also what an interrupt left half taken or returned
 
