@@ -33,11 +33,6 @@ from torch import nn
 from torch_cp import compat
 
 
-def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``t`` over ``group`` with a traceable functional collective (``compat.sum_over``)."""
-    return compat.sum_over(t, group)
-
-
 @dataclass(frozen=True, eq=False)
 class Shard:
     """The part of a full tensor a TP-sharded parameter holds: entries ``index`` (a slice or a
@@ -124,7 +119,7 @@ class RowParallel(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight), self.group)
+        out = compat.sum_over(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -212,7 +207,7 @@ def _shard_experts(experts: nn.Module, tp_rank: int, tp: int) -> None:
 def _all_reduce_output(group):
     def hook(module, args, output):
         assert isinstance(output, torch.Tensor), "a sharded MoE block must return a tensor"
-        return all_reduce(output, group)
+        return compat.sum_over(output, group)
     return hook
 
 
