@@ -23,19 +23,23 @@ def choice_scores(gate, h_td: torch.Tensor) -> torch.Tensor:
     return logits if bias is None else logits.sigmoid() + bias.float()
 
 
+def _near_ties(gate, args, k: int) -> list[tuple[int, int, int]]:
+    """(position, k-th expert, (k+1)-th expert) of every token of a ``gate`` call whose two
+    scores are within ``near_tie`` of each other (against its largest score there)."""
+    scores = choice_scores(gate, args[0].reshape(-1, gate.weight.shape[-1]))
+    top, experts = scores.sort(-1, descending=True)
+    return [(p, experts[p, k - 1].item(), experts[p, k].item()) for p in range(scores.shape[0])
+            if near_tie((top[p, k - 1] - top[p, k]).item(), top[p].abs().max().item())]
+
+
 def _ties(model, ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """Every (gate, position, k-th expert, (k+1)-th expert) of ``ids`` [1, T] where the router's
-    two scores are within ``near_tie`` of each other (against its largest score there)."""
+    """Every (gate, position, k-th expert, (k+1)-th expert) of ``ids`` [1, T] at a near-tie."""
     k = model.config.get_text_config().num_experts_per_tok
     found = []
 
     def record(index):
         def hook(gate, args, _out):
-            scores = choice_scores(gate, args[0].reshape(-1, gate.weight.shape[-1]))
-            top, experts = scores.sort(-1, descending=True)
-            for p in range(scores.shape[0]):
-                if near_tie((top[p, k - 1] - top[p, k]).item(), top[p].abs().max().item()):
-                    found.append((index, p, experts[p, k - 1].item(), experts[p, k].item()))
+            found.extend((index, *tie) for tie in _near_ties(gate, args, k))
         return hook
 
     with _hooked(model, record):
@@ -56,12 +60,7 @@ class tied_positions:
     def __enter__(self):
         def make(_index):
             def hook(gate, args, _out):
-                scores = choice_scores(gate, args[0].reshape(-1, gate.weight.shape[-1]))
-                top = scores.sort(-1, descending=True).values
-                for p in range(scores.shape[0]):
-                    gap = (top[p, self.k - 1] - top[p, self.k]).item()
-                    if near_tie(gap, top[p].abs().max().item()):
-                        self.positions.add(p)
+                self.positions.update(p for p, _, _ in _near_ties(gate, args, self.k))
             return hook
 
         self.hooked = _hooked(self.model, make)
