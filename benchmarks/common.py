@@ -3,6 +3,7 @@ incremental JSON results and the summary table."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import json
 import os
@@ -42,6 +43,25 @@ def run_header(device: torch.device) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
             "machine": machine(device), "versions": versions()}
+
+
+def apply_inductor_settings(text: str) -> dict:
+    """Set ``torch._inductor.config`` from 'name=value,...' (values as Python literals: ``True``,
+    ``3``; anything else a string) and return the settings; an unknown name exits."""
+    import torch._inductor.config as inductor_config
+
+    settings = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if not hasattr(inductor_config, name):
+            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
+        try:
+            settings[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[name] = value
+    for name, value in settings.items():
+        setattr(inductor_config, name, value)
+    return settings
 
 
 def sync(device: torch.device) -> None:

@@ -37,18 +37,25 @@ first and 85 s for the dynamic-shape recompile on an H200).
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.metadata
 import inspect
 import time
 import traceback
 
 import torch
-import torch._inductor.config as inductor_config
 
 import torch_cp
 from benchmarks import models, peers
-from benchmarks.common import Budget, Results, copy_bandwidth, free_cuda, run_header, sync, table
+from benchmarks.common import (
+    Budget,
+    Results,
+    apply_inductor_settings,
+    copy_bandwidth,
+    free_cuda,
+    run_header,
+    sync,
+    table,
+)
 from benchmarks.peers import Timing
 
 SYSTEMS = ("torch_cp", "torch_cp_overlap", "torch_cp_compiled", "hf_dynamic", "generate_batch",
@@ -295,21 +302,6 @@ def fla_version() -> str | None:
     return None
 
 
-def inductor_settings(text: str) -> dict:
-    """'name=value,...' as a dict of Python values (``True``, ``3``, ``'max-autotune'``), each
-    name an existing ``torch._inductor.config`` setting."""
-    settings = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if not hasattr(inductor_config, name):
-            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
-        try:
-            settings[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            settings[name] = value
-    return settings
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON results path")
@@ -327,9 +319,7 @@ def main(argv=None) -> int:
                          "'max_autotune=True,coordinate_descent_tuning=True'): torch_cp's layers "
                          "and the peers' compiled forwards alike")
     args = ap.parse_args(argv)
-    inductor = inductor_settings(args.inductor)
-    for key, value in inductor.items():
-        setattr(inductor_config, key, value)
+    inductor = apply_inductor_settings(args.inductor)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16

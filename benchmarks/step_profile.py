@@ -21,7 +21,7 @@ import torch
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import kernel_times, run_header, sync, time_ms
+from benchmarks.common import apply_inductor_settings, kernel_times, run_header, sync, time_ms
 
 PAGE = 16
 
@@ -151,7 +151,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out")
     p.add_argument("--trace", help="write the engine run's chrome trace here")
+    p.add_argument("--inductor", default="",
+                   help="torch._inductor.config settings, 'name=value,...' (with --compile)")
     args = p.parse_args()
+    inductor = apply_inductor_settings(args.inductor)
     device = torch.device("cuda")
     model = models.build(args.model, device, torch.bfloat16)
     torch_cp.patch_model(model, backend="flashinfer", page_size=PAGE)
@@ -179,9 +182,9 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001
         gaps = dict(error=repr(error))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
-               compiled=args.compile, setup_s=setup_s, host_phases_ms=host, step_ms=step_ms,
-               replay_only_ms=replay_ms, kernel_ms=kernel_ms, kernels_per_step=calls,
-               engine_overlap=gaps, top_kernels=top)
+               compiled=args.compile, inductor=inductor, setup_s=setup_s, host_phases_ms=host,
+               step_ms=step_ms, replay_only_ms=replay_ms, kernel_ms=kernel_ms,
+               kernels_per_step=calls, engine_overlap=gaps, top_kernels=top)
     print(json.dumps({k: v for k, v in out.items() if k != "top_kernels"}, indent=1))
     for r in top:
         print(f"{r['ms_per_step']:8.3f} ms {r['calls_per_step']:6.0f}x  {r['kernel']}")
