@@ -1,12 +1,12 @@
 """Decode attention: the placed pool against unplaced FlashInfer, on one GPU.
 
-For each shape (Qwen3-8B's GQA layer; an MLA layer with a 512/64 latent) and batch x context:
-unplaced FlashInfer paged decode (the kernel a user would call), torch_cp's per-partner context
-attention over one partner's stripe of a placed pool (rank 0, the longest stripe) at P = 1, 2, 4,
-the merge of P partials (torch_cp's and FlashInfer's ``merge_states``), and torch_cp's whole
-layer path at P = 1 (write + attend; P = 1 has nothing to merge), eager and replayed from a CUDA
-graph. KV bytes read per second are set against the device-to-device copy bandwidth measured in
-the same run.
+For each shape (``gqa``: Qwen3-8B's GQA layer; ``gqa8``: Qwen3-30B-A3B's, GQA group 8; ``mla``:
+an MLA layer with a 512/64 latent) and batch x context: unplaced FlashInfer paged decode (the
+kernel a user would call), torch_cp's per-partner context attention over one partner's stripe of
+a placed pool (rank 0, the longest stripe) at P = 1, 2, 4, the merge of P partials (torch_cp's
+and FlashInfer's ``merge_states``), and torch_cp's whole layer path at P = 1 (write + attend;
+P = 1 has nothing to merge), eager and replayed from a CUDA graph. KV bytes read per second are
+set against the device-to-device copy bandwidth measured in the same run.
 
     python -m benchmarks.attention --out benchmarks/results/attention.json
     python -m benchmarks.attention --smoke          # CPU, tiny sizes, torch backend
@@ -44,6 +44,7 @@ GROUP = object()  # one partner measured alone: the partners' process group is n
 PAGE = 16
 DTYPE = torch.bfloat16
 GQA = dict(kind="gqa", q_heads=32, kv_heads=8, head_dim=128)  # Qwen3-8B layer
+GQA8 = dict(GQA, kv_heads=4)  # Qwen3-30B-A3B layer: GQA group 8
 MLA = dict(kind="mla", q_heads=32, kv_heads=1, head_dim=576, rank=512, rope=64)
 SIZES = ((64, 8192), (8, 32768), (128, 2048))
 SMOKE_SIZES = ((4, 64), (2, 100))
@@ -268,9 +269,10 @@ def main(argv=None) -> int:
     results = Results(args.out, run_header(device))
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
-    shapes = {"gqa": GQA, "mla": MLA}
+    shapes = {"gqa": GQA, "gqa8": GQA8, "mla": MLA}
     if smoke:
         shapes = {"gqa": dict(GQA, q_heads=4, kv_heads=2, head_dim=16),
+                  "gqa8": dict(GQA, q_heads=8, kv_heads=1, head_dim=16),
                   "mla": dict(MLA, q_heads=4, head_dim=40, rank=32, rope=8)}
     records = []
     for name in args.shapes.split(","):
@@ -281,7 +283,7 @@ def main(argv=None) -> int:
             if not budget.allows(20):
                 results.add(shape=name, batch=batch, ctx=ctx, skipped="time budget")
                 continue
-            rec = run_case(shapes[name], batch, ctx, copy_bw, device, smoke)
+            rec = dict(run_case(shapes[name], batch, ctx, copy_bw, device, smoke), shape=name)
             records.append(results.add(**rec))
             print(f"{name} {batch}x{ctx}: unplaced {rec['unplaced_best_ms']:.3f} ms, "
                   + ", ".join(f"P={s} {p['ms']:.3f} ms" for s, p in rec["placed"].items()),
