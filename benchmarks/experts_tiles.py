@@ -2,8 +2,11 @@
 channels and warps per program, swept one kernel at a time (the other at its default), replayed
 from a CUDA graph at one and eight tokens of the Qwen3-30B-A3B and GLM-4.7-Flash blocks, against
 the copy roofline of the routed experts' weights. Prints the fastest tiles of each kernel.
+With ``--grouped``, the same for ``grouped_experts``' kernels (graphs/grouped_experts.py) at 32
+and 64 tokens, beside ``grouped_mm``, the implementation they replace there.
 
     python -m benchmarks.experts_tiles --out benchmarks/results/experts_tiles.json
+    python -m benchmarks.experts_tiles --grouped --out benchmarks/results/grouped_tiles.json
 """
 
 from __future__ import annotations
@@ -12,15 +15,19 @@ import argparse
 import itertools
 
 import torch
+from transformers.integrations import moe
 
 from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table
 from benchmarks.experts import SHAPES, moe_block, route
 from torch_cp.graphs import fused_experts as fe
+from torch_cp.graphs import grouped_experts as ge
 
 ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
+GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS = (16, 32, 64), (64, 128), (4, 8)
 
 
-def sweep(shape: str, tokens: int, bandwidth: float, results: Results) -> list[dict]:
+def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: bool
+          ) -> list[dict]:
     device = torch.device("cuda")
     block = moe_block(shape, device, torch.bfloat16)
     experts = block.experts
@@ -29,40 +36,53 @@ def sweep(shape: str, tokens: int, bandwidth: float, results: Results) -> list[d
         _, weights, ids = route(block, x)
     per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 2
     roof = ids.unique().numel() * per_expert / bandwidth * 1e3
-    want = fe.fused_experts(experts, x, ids, weights).float()
+    call, tile = (ge.grouped_experts, ge.GroupedTiles) if grouped else (fe.fused_experts, fe.Tiles)
+    want = moe.batched_mm_experts_forward(experts, x, ids, weights).float()
     rows = []
-    for kernel in ("gate_up", "down"):
-        for r, c, w in itertools.product(ROWS, COLS, WARPS):
-            tiles = {f"{kernel}_tiles": fe.Tiles(rows=r, cols=c, warps=w)}
-            got = fe.fused_experts(experts, x, ids, weights, **tiles).float()
-            torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
-            ms = graph_time_ms(lambda t=tiles: fe.fused_experts(experts, x, ids, weights, **t),
-                               device, iters=100)
-            rows.append(results.add(shape=shape, tokens=tokens, kernel=kernel, rows=r, cols=c,
-                                    warps=w, ms=ms, roofline_ms=roof))
+    if grouped:
+        ms = graph_time_ms(lambda: moe.grouped_mm_experts_forward(experts, x, ids, weights),
+                           device, iters=100)
+        rows.append(results.add(shape=shape, tokens=tokens, kernel="grouped_mm", ms=ms,
+                                roofline_ms=roof))
+    space = (itertools.product(GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS) if grouped
+             else itertools.product(ROWS, COLS, WARPS))
+    for (r, c, w), kernel in itertools.product(list(space), ("gate_up", "down")):
+        tiles = {f"{kernel}_tiles": tile(16, r, c, w) if grouped else tile(r, c, w)}
+        got = call(experts, x, ids, weights, **tiles).float()
+        torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+        ms = graph_time_ms(lambda t=tiles: call(experts, x, ids, weights, **t), device, iters=100)
+        rows.append(results.add(shape=shape, tokens=tokens, kernel=kernel, rows=r, cols=c,
+                                warps=w, ms=ms, roofline_ms=roof))
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
-    p.add_argument("--tokens", default="1,8")
+    p.add_argument("--tokens", default=None, help="default 1,8 (32,64 with --grouped)")
+    p.add_argument("--grouped", action="store_true")
     args = p.parse_args(argv)
+    args.tokens = args.tokens or ("32,64" if args.grouped else "1,8")
     results = Results(args.out, header=run_header(torch.device("cuda")))
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     with torch.inference_mode():
         for shape in SHAPES:
             for tokens in (int(t) for t in args.tokens.split(",")):
-                rows += sweep(shape, tokens, bandwidth, results)
+                rows += sweep(shape, tokens, bandwidth, results, args.grouped)
     best = []
+    rows.sort(key=lambda r: (r["shape"], r["tokens"], r["kernel"]))
     for _, group in itertools.groupby(rows, lambda r: (r["shape"], r["tokens"], r["kernel"])):
         best.append(min(group, key=lambda r: r["ms"]))
     print(table(best, ["shape", "tokens", "kernel", "rows", "cols", "warps", "ms",
                        "roofline_ms"]))
-    defaults = [r for r in rows if (r["rows"], r["cols"], r["warps"]) == (32, 128, 4)]
-    print("defaults (32, 128, 4):")
-    print(table(defaults, ["shape", "tokens", "kernel", "ms", "roofline_ms"]))
+    module = ge if args.grouped else fe
+    for kernel in ("gate_up", "down"):
+        t = getattr(module, f"{kernel.upper()}_TILES")
+        defaults = [r for r in rows if r["kernel"] == kernel
+                    and (r["rows"], r["cols"], r["warps"]) == (t.rows, t.cols, t.warps)]
+        print(f"{kernel} at its default tiles {t}:")
+        print(table(defaults, ["shape", "tokens", "ms", "roofline_ms"]))
     results.save()
     return 0
 

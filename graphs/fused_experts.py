@@ -10,8 +10,9 @@ summed in float32. Nothing is sorted, nothing leaves the device, and a CUDA grap
 
 Registered as transformers' experts implementation ``"torch_cp_fused"``
 (``model.set_experts_implementation("torch_cp_fused")``): steps of at most ``MAX_PAIRS``
-(token, expert) pairs take the kernels, larger steps (prefill) ``grouped_mm`` where a graph can
-hold it, else ``batched_mm``. Experts of other shapes (biases, transposed or interleaved
+(token, expert) pairs take the kernels, steps of at most ``MAX_GROUPED_PAIRS`` the kernels of
+``grouped_experts`` (each routed expert read once), larger steps (prefill) ``grouped_mm`` where
+a graph can hold it, else ``batched_mm``. Experts of other shapes (biases, transposed or interleaved
 weights, another activation, a post-expert norm, expert parallelism) always take the fallback.
 """
 
@@ -24,10 +25,12 @@ import triton
 import triton.language as tl
 from transformers.integrations import moe
 
+from torch_cp.graphs import grouped_experts as ge
 from torch_cp.graphs.experts import capturable
 
 NAME = "torch_cp_fused"
 MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
+MAX_GROUPED_PAIRS = 512  # ... to take grouped_experts' kernels
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,10 @@ def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-implementation signature: the kernels for a decode-sized step,
     else ``grouped_mm`` (``batched_mm`` where a CUDA graph cannot hold it)."""
-    if top_k_index.numel() <= MAX_PAIRS and fits(self):
-        return fused_experts(self, hidden_states, top_k_index, top_k_weights)
+    pairs = top_k_index.numel()
+    if pairs <= MAX_GROUPED_PAIRS and fits(self):
+        kernels = fused_experts if pairs <= MAX_PAIRS else ge.grouped_experts
+        return kernels(self, hidden_states, top_k_index, top_k_weights)
     w = self.down_proj
     fallback = (moe.grouped_mm_experts_forward if capturable("grouped_mm", w.dtype, w.device)
                 else moe.batched_mm_experts_forward)

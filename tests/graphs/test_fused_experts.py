@@ -7,9 +7,11 @@ Triton's interpreter (tests/conftest.py).
 - bf16: against the exact (fp32) computation from the same bf16 weights and inputs, at least as
   close as ``batched_mm`` is (it rounds its intermediates to bf16; the kernels keep fp32 until
   SiLU(gate) * up), and within 2**-7 of the largest output (one bf16 rounding or two).
-- The implementation takes the kernels for at most ``MAX_PAIRS`` (token, expert) pairs and
-  ``grouped_mm`` above (bit for bit its output), and experts the kernels cannot read (a bias)
-  always take the fallback.
+- ``grouped_experts``' kernels (each routed expert read once, up to 16 of its pairs a tile) the
+  same, with experts routed more pairs than one tile holds.
+- The implementation takes the kernels for at most ``MAX_PAIRS`` (token, expert) pairs,
+  ``grouped_experts`` for at most ``MAX_GROUPED_PAIRS``, and ``grouped_mm`` above (bit for bit
+  its output), and experts the kernels cannot read (a bias) always take the fallback.
 - A patched tiny Qwen3-MoE set to ``"torch_cp_fused"`` generates the unpatched model's tokens
   through the engine, its decode steps through the kernels.
 - GPU: every MoE family on it, captured and compiled, gives the reference backend's tokens up
@@ -31,6 +33,7 @@ pytest.importorskip("triton", reason="the kernels are Triton (CPU: its interpret
 from transformers.integrations import moe  # noqa: E402
 
 from torch_cp.graphs import fused_experts as fe  # noqa: E402
+from torch_cp.graphs import grouped_experts as ge  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,23 +50,33 @@ def experts_of(name: str, dtype):
     return experts_modules(MOE_MODELS[name](dtype).to(DEVICE))[0]
 
 
+# (kernels, tokens): 40 tokens of top 2 over 8 experts give some expert 18 pairs, more than the
+# grouped kernels' tile of 16.
+KERNELS = [pytest.param(fe.fused_experts, 3, id="pairs"),
+           pytest.param(ge.grouped_experts, 40, id="grouped")]
+
+
+@pytest.mark.parametrize("kernels, tokens", KERNELS)
 @pytest.mark.parametrize("name", list(MOE_MODELS))
-def test_fp32_kernels_equal_batched_mm(name):
+def test_fp32_kernels_equal_batched_mm(name, kernels, tokens):
     experts = experts_of(name, torch.float32)
     assert fe.fits(experts)
-    args = routed(3, torch.float32)
-    torch.testing.assert_close(fe.fused_experts(experts, *args),
+    args = routed(tokens, torch.float32)
+    if tokens > 16:
+        assert torch.bincount(args[1].flatten()).max() > ge.GATE_UP_TILES.pairs
+    torch.testing.assert_close(kernels(experts, *args),
                                moe.batched_mm_experts_forward(experts, *args),
                                atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_kernels_are_as_exact_as_batched_mm():
+@pytest.mark.parametrize("kernels, tokens", KERNELS)
+def test_bf16_kernels_are_as_exact_as_batched_mm(kernels, tokens):
     experts = experts_of("qwen3_moe", torch.bfloat16)
-    args = routed(4, torch.bfloat16, seed=1)
+    args = routed(tokens, torch.bfloat16, seed=1)
     exact_experts = experts_of("qwen3_moe", torch.bfloat16).float()  # the same bf16 weights
     exact = moe.batched_mm_experts_forward(exact_experts, *(a.float() if a.is_floating_point()
                                                            else a for a in args))
-    got = fe.fused_experts(experts, *args).float()
+    got = kernels(experts, *args).float()
     theirs = moe.batched_mm_experts_forward(experts, *args).float()
     scale = exact.abs().max()
     assert (got - exact).abs().max() <= max((theirs - exact).abs().max(), 2**-8 * scale)
@@ -73,14 +86,23 @@ def test_bf16_kernels_are_as_exact_as_batched_mm():
 def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypatch):
     experts = experts_of("qwen3_moe", torch.float32)
     calls = []
-    kernels = fe.fused_experts
-    monkeypatch.setattr(fe, "fused_experts", lambda *a: calls.append(1) or kernels(*a))
+    for module, name in ((fe, "fused_experts"), (ge, "grouped_experts")):
+        kernels = getattr(module, name)
+
+        def counted(*args, name=name, kernels=kernels):
+            calls.append(name)
+            return kernels(*args)
+        monkeypatch.setattr(module, name, counted)
     small = routed(fe.MAX_PAIRS // 2, torch.float32)
     fe.fused_experts_forward(experts, *small)
-    assert calls == [1]
-    large = routed(fe.MAX_PAIRS // 2 + 1, torch.float32)
+    assert calls == ["fused_experts"]
+    middle = routed(fe.MAX_PAIRS // 2 + 1, torch.float32)
+    fe.fused_experts_forward(experts, *middle)
+    fe.fused_experts_forward(experts, *routed(fe.MAX_GROUPED_PAIRS // 2, torch.float32))
+    assert calls == ["fused_experts"] + ["grouped_experts"] * 2
+    large = routed(fe.MAX_GROUPED_PAIRS // 2 + 1, torch.float32)
     got = fe.fused_experts_forward(experts, *large)
-    assert calls == [1], "more pairs than MAX_PAIRS take the fallback"
+    assert len(calls) == 3, "more pairs than MAX_GROUPED_PAIRS take the fallback"
     assert capturable("grouped_mm", torch.float32, torch.device(DEVICE)) or DEVICE == "cuda"
     want = (moe.grouped_mm_experts_forward if capturable("grouped_mm", torch.float32,
                                                         torch.device(DEVICE))
@@ -91,7 +113,8 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypa
     experts.down_proj_bias = torch.zeros(experts.down_proj.shape[:2], device=DEVICE)
     assert not fe.fits(experts)
     fe.fused_experts_forward(experts, *small)
-    assert calls == [1]
+    fe.fused_experts_forward(experts, *middle)
+    assert len(calls) == 3
 
 
 def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch):
@@ -131,3 +154,21 @@ def test_fused_experts_captured_and_compiled_give_the_reference_tokens(name):
     unpatched = MOE_MODELS[name](torch.bfloat16).cuda()
     unpatched.set_experts_implementation(fe.NAME)
     assert_equal_but_near_ties(unpatched, expected, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs FlashInfer")
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe_lite"])
+def test_grouped_experts_captured_and_compiled_give_the_reference_tokens(name, monkeypatch):
+    """As above with every decode step through ``grouped_experts``' kernels (``MAX_PAIRS`` 0),
+    bf16 ``tl.dot`` on the tensor cores (the CPU tests multiply in float32)."""
+    monkeypatch.setattr(fe, "MAX_PAIRS", 0)
+    calls = []
+    kernels = ge.grouped_experts
+
+    def counted(*args):
+        calls.append(args[1].shape[0])
+        return kernels(*args)
+    monkeypatch.setattr(ge, "grouped_experts", counted)
+    test_fused_experts_captured_and_compiled_give_the_reference_tokens(name)
+    assert calls and min(calls) == 1, "one-token steps took the grouped kernels"
