@@ -36,8 +36,10 @@ class GroupedTiles:
 # Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot wrongly (their bits as
 # integers); there the tiles are multiplied in float32, as fp32 experts are everywhere.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-GATE_UP_TILES = GroupedTiles(pairs=16, rows=32, cols=128, warps=4)
-DOWN_TILES = GroupedTiles(pairs=16, rows=64, cols=128, warps=4)
+# Picked by ``python -m benchmarks.experts_tiles --grouped`` on the H200 (run 71): the least
+# time summed over 32 and 64 tokens of the Qwen3-30B-A3B and GLM-4.7-Flash blocks.
+GATE_UP_TILES = GroupedTiles(pairs=16, rows=64, cols=128, warps=4)
+DOWN_TILES = GroupedTiles(pairs=16, rows=64, cols=64, warps=4)
 
 
 @triton.jit

@@ -171,4 +171,4 @@ def test_grouped_experts_captured_and_compiled_give_the_reference_tokens(name, m
         return kernels(*args)
     monkeypatch.setattr(ge, "grouped_experts", counted)
     test_fused_experts_captured_and_compiled_give_the_reference_tokens(name)
-    assert calls and min(calls) == 1, "one-token steps took the grouped kernels"
+    assert calls and min(calls) <= len(prompts()), "decode steps took the grouped kernels"
