@@ -85,6 +85,7 @@ def test_bf16_kernels_are_as_exact_as_batched_mm(kernels, tokens):
 
 def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypatch):
     experts = experts_of("qwen3_moe", torch.float32)
+    monkeypatch.setattr(fe, "MAX_GROUPED_PAIRS", 2 * fe.MAX_PAIRS)  # fewer steps interpreted
     calls = []
     for module, name in ((fe, "fused_experts"), (ge, "grouped_experts")):
         kernels = getattr(module, name)
@@ -117,19 +118,27 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypa
     assert len(calls) == 3
 
 
-def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch):
+@pytest.mark.parametrize("grouped", [False, True], ids=["pairs", "grouped"])
+def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch, grouped):
+    """Decode steps through either kernels (``grouped``: ``MAX_PAIRS`` 0, so every step takes
+    ``grouped_experts``) give the unpatched model's tokens."""
     prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 19, 23, 1]]
     reference = MOE_MODELS["qwen3_moe"](torch.float32)
     want = [reference.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):]
             .tolist() for p in prompts]
     model = torch_cp.patch_model(MOE_MODELS["qwen3_moe"](torch.float32))
     model.set_experts_implementation(fe.NAME)
+    if grouped:
+        monkeypatch.setattr(fe, "MAX_PAIRS", 0)
+    module, name = (ge, "grouped_experts") if grouped else (fe, "fused_experts")
     calls = []
-    kernels = fe.fused_experts
-    monkeypatch.setattr(fe, "fused_experts", lambda *a: calls.append(a[1].shape[0]) or kernels(*a))
+    kernels = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(a[1].shape[0]) or kernels(*a))
     engine = torch_cp.Engine(model, num_pages=16, page_size=4, max_rows=2)
     assert [list(r.token_ids) for r in engine.run(prompts, 4)] == want
-    assert calls and max(calls) * 2 <= fe.MAX_PAIRS
+    assert calls and min(calls) <= len(prompts), "decode steps took the kernels"
+    if not grouped:
+        assert max(calls) * 2 <= fe.MAX_PAIRS
 
 
 @pytest.mark.gpu
