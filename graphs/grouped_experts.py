@@ -5,7 +5,7 @@ every expert is routed a few tokens. The pair-at-a-time kernels of ``fused_exper
 an expert once per pair; transformers' ``grouped_mm`` reads each once, but sorts, counts and
 gathers on the way, and its GEMMs are tiled for many rows. Here a program owns one expert and a
 tile of its output channels, finds that expert's pairs itself (a compare and a prefix sum over
-the step's expert ids, a few KB from L2), and multiplies up to ``rows`` of them at a time with
+the step's expert ids, a few KB from L2), and multiplies up to ``pairs`` of them at a time with
 the weight tile (``tl.dot``, float32 accumulators): nothing sorted, no host, and experts nobody
 chose cost one read of the ids. The first kernel writes SiLU(gate) * up per pair, the second
 the down projection times the routing weight in float32; a token's pairs are summed in float32,
@@ -25,12 +25,20 @@ import triton.language as tl
 @dataclass(frozen=True)
 class GroupedTiles:
     """One kernel's launch: ``pairs`` routed rows per ``tl.dot`` (at least 16), ``rows`` weight
-    rows (output channels) per program, ``cols`` of the reduction per step, and its warps."""
+    rows (output channels) per program, ``cols`` of the reduction per step (each a power of two,
+    as Triton's tiles are), and its warps."""
 
     pairs: int
     rows: int
     cols: int
     warps: int
+
+    def __post_init__(self):
+        problems = [f"{name} {value} is not a power of two >= 16" for name, value in
+                    (("pairs", self.pairs), ("rows", self.rows), ("cols", self.cols))
+                    if value < 16 or value & (value - 1)]
+        if problems:
+            raise ValueError("GroupedTiles: " + "; ".join(problems))
 
 
 # Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot wrongly (their bits as
@@ -122,7 +130,8 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
                     down_tiles: GroupedTiles = DOWN_TILES) -> torch.Tensor:
     """The experts' output [T, H] for tokens ``x_td`` [T, H] routed to ``ids_tk`` [T, k] with
     ``weights_tk`` [T, k], each routed expert's weights read once per ``pairs`` of its pairs
-    (experts of the layout ``fused_experts.fits`` accepts; any T)."""
+    (experts of the layout ``fused_experts.fits`` accepts). Every program scans all T * k ids
+    (a [pairs, T * k] tile): meant for at most ``fused_experts.MAX_GROUPED_PAIRS``."""
     tokens, hidden = x_td.shape
     top_k = ids_tk.shape[1]
     pairs = tokens * top_k
@@ -130,8 +139,10 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
     num_experts, inter = down.shape[0], down.shape[-1]
     x_td = x_td if x_td.stride(-1) == 1 else x_td.contiguous()
     ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
+    # tl.dot takes two tiles of one 16-bit dtype; fp32 or mixed dtypes multiply in fp32.
+    one_16_bit = x_td.dtype == gate_up.dtype == down.dtype != torch.float32
     common = dict(NP=max(16, triton.next_power_of_2(pairs)),
-                  FP32_DOT=x_td.dtype == torch.float32 or INTERPRETED)
+                  FP32_DOT=INTERPRETED or not one_16_bit)
     h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
     t = gate_up_tiles
     _grouped_gate_up[(num_experts, triton.cdiv(inter, t.rows))](

@@ -5,17 +5,20 @@ Triton's interpreter (tests/conftest.py).
 - fp32, every MoE family's experts: the kernels equal transformers' ``batched_mm`` (atol 1e-5 on
   outputs of ~10-20: fp32 sums over 256 channels in another order).
 - bf16: against the exact (fp32) computation from the same bf16 weights and inputs, at least as
-  close as ``batched_mm`` is (it rounds its intermediates to bf16; the kernels keep fp32 until
-  SiLU(gate) * up), and within 2**-7 of the largest output (one bf16 rounding or two).
+  close as ``batched_mm`` is in root mean square (it rounds its intermediates to bf16; the
+  kernels keep fp32 until SiLU(gate) * up), and within 2**-7 of the largest output (one bf16
+  rounding or two).
 - ``grouped_experts``' kernels (each routed expert read once, up to 16 of its pairs a tile) the
-  same, with experts routed more pairs than one tile holds.
+  same, with experts routed more pairs than one tile holds, at sizes no tile divides, and with
+  bf16 tokens to fp32 experts; tiles Triton cannot make are refused.
 - The implementation takes the kernels for at most ``MAX_PAIRS`` (token, expert) pairs,
   ``grouped_experts`` for at most ``MAX_GROUPED_PAIRS``, and ``grouped_mm`` above (bit for bit
   its output), and experts the kernels cannot read (a bias) always take the fallback.
 - A patched tiny Qwen3-MoE set to ``"torch_cp_fused"`` generates the unpatched model's tokens
-  through the engine, its decode steps through the kernels.
+  through the engine, its decode steps through either kernels.
 - GPU: every MoE family on it, captured and compiled, gives the reference backend's tokens up
-  to bf16 near-ties, the implementation kept for the capture.
+  to bf16 near-ties, the implementation kept for the capture; qwen3_moe and glm4_moe_lite the
+  same with every step through the grouped kernels.
 """
 
 from __future__ import annotations
@@ -69,17 +72,65 @@ def test_fp32_kernels_equal_batched_mm(name, kernels, tokens):
                                atol=1e-5, rtol=1e-5)
 
 
+def odd_experts(hidden: int, inter: int, dtype=torch.float32):
+    """Qwen3-MoE's experts module at sizes no tile divides, random weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=4)
+    experts = Qwen3MoeExperts(config)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for w in (experts.gate_up_proj, experts.down_proj):
+            w.copy_(torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5)
+    return experts.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("hidden, inter", [(200, 40), (72, 96)])
+def test_grouped_kernels_at_sizes_no_tile_divides(hidden, inter):
+    """Partial channel tiles and reduction chunks; one expert routed 36 pairs (three blocks of
+    16), another none."""
+    experts = odd_experts(hidden, inter)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(36, hidden, generator=g)
+    ids = torch.stack([torch.zeros(36, dtype=torch.long), torch.randint(1, 3, (36,), generator=g)],
+                      dim=1)
+    args = x.to(DEVICE), ids.to(DEVICE), torch.rand(36, 2, generator=g).to(DEVICE)
+    torch.testing.assert_close(ge.grouped_experts(experts, *args),
+                               moe.batched_mm_experts_forward(experts, *args),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_kernels_take_bf16_tokens_to_fp32_experts():
+    """Mixed dtypes (an fp32 model under autocast) multiply in fp32, as the pair kernels do."""
+    experts = odd_experts(256, 40)
+    x, ids, weights = routed(40, torch.float32)
+    want = moe.batched_mm_experts_forward(experts, x, ids % 4, weights)
+    got = ge.grouped_experts(experts, x.bfloat16(), ids % 4, weights)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2**-7 * want.abs().max().item(), rtol=0)
+
+
+def test_grouped_tiles_refuse_what_triton_cannot_tile():
+    with pytest.raises(ValueError, match=r"pairs 8 .*rows 48 "):
+        ge.GroupedTiles(pairs=8, rows=48, cols=64, warps=4)
+
+
 @pytest.mark.parametrize("kernels, tokens", KERNELS)
 def test_bf16_kernels_are_as_exact_as_batched_mm(kernels, tokens):
     experts = experts_of("qwen3_moe", torch.bfloat16)
-    args = routed(tokens, torch.bfloat16, seed=1)
+    args = routed(tokens, torch.bfloat16, seed=1 if tokens < 16 else 0)
+    if tokens > 16:
+        assert torch.bincount(args[1].flatten()).max() > ge.GATE_UP_TILES.pairs
     exact_experts = experts_of("qwen3_moe", torch.bfloat16).float()  # the same bf16 weights
     exact = moe.batched_mm_experts_forward(exact_experts, *(a.float() if a.is_floating_point()
                                                            else a for a in args))
     got = kernels(experts, *args).float()
     theirs = moe.batched_mm_experts_forward(experts, *args).float()
     scale = exact.abs().max()
-    assert (got - exact).abs().max() <= max((theirs - exact).abs().max(), 2**-8 * scale)
+    # The root mean square over the outputs: the largest error of one output is a draw (run 71's
+    # seed 0 at 40 tokens: 0.140 against batched_mm's 0.129, with 0.014 against 0.018 in RMS).
+    assert (got - exact).pow(2).mean().sqrt() <= (theirs - exact).pow(2).mean().sqrt()
     assert (got - exact).abs().max() <= 2**-7 * scale
 
 
@@ -150,9 +201,14 @@ def test_fused_experts_captured_and_compiled_give_the_reference_tokens(name):
     near-ties. (Against the experts loop, qwen3_moe splits at a 0.44 gap of 6.4 on its fourth
     prompt, run 54: the kernels' rounding differs from the loop's, as grouped_mm's over two GPUs
     did at the same token in run 38; their exactness is the tests above.)"""
+    captured_and_compiled_give_the_reference_tokens(name)
+
+
+def captured_and_compiled_give_the_reference_tokens(name: str, before_engine=lambda: None):
     reference = torch_cp.patch_model(MOE_MODELS[name](torch.bfloat16).cuda(), backend="torch")
     reference.set_experts_implementation(fe.NAME)
     expected = tokens(torch_cp.generate(reference, prompts(), NEW_TOKENS, progress=False))
+    before_engine()
     model = torch_cp.patch_model(MOE_MODELS[name](torch.bfloat16).cuda(), backend="flashinfer")
     model.set_experts_implementation(fe.NAME)
     engine = torch_cp.Engine(model, num_pages=64, page_size=16, cuda_graphs=True, compile=True,
@@ -179,5 +235,5 @@ def test_grouped_experts_captured_and_compiled_give_the_reference_tokens(name, m
         calls.append(args[1].shape[0])
         return kernels(*args)
     monkeypatch.setattr(ge, "grouped_experts", counted)
-    test_fused_experts_captured_and_compiled_give_the_reference_tokens(name)
-    assert calls and min(calls) <= len(prompts()), "decode steps took the grouped kernels"
+    captured_and_compiled_give_the_reference_tokens(name, before_engine=calls.clear)
+    assert calls and min(calls) <= len(prompts()), "the engine's decode steps took the kernels"
