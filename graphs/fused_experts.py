@@ -108,11 +108,11 @@ def fits(experts: torch.nn.Module) -> bool:
 
 
 def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Tensor,
-                  weights_tk: torch.Tensor, gate_up_tiles: Tiles = GATE_UP_TILES,
-                  down_tiles: Tiles = DOWN_TILES) -> torch.Tensor:
+                  weights_tk: torch.Tensor, gate_up_tiles: Tiles | None = None,
+                  down_tiles: Tiles | None = None) -> torch.Tensor:
     """The experts' output [T, H] for tokens ``x_td`` [T, H] routed to ``ids_tk`` [T, k] with
     ``weights_tk`` [T, k], through the two kernels (any T; ``fused_experts_forward`` decides
-    when)."""
+    when), at the given tiles or the module's ``GATE_UP_TILES`` / ``DOWN_TILES``."""
     tokens, hidden = x_td.shape
     top_k = ids_tk.shape[1]
     pairs = tokens * top_k
@@ -121,12 +121,12 @@ def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Te
     x_td = x_td if x_td.stride(-1) == 1 else x_td.contiguous()
     ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
     h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
-    t = gate_up_tiles
+    t = gate_up_tiles or GATE_UP_TILES
     _gate_up[(pairs, triton.cdiv(inter, t.rows))](
         x_td, gate_up, ids, h_si, hidden, inter, x_td.stride(0), gate_up.stride(0),
         gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BN=t.rows, BK=t.cols, num_warps=t.warps)
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
-    t = down_tiles
+    t = down_tiles or DOWN_TILES
     _down[(pairs, triton.cdiv(hidden, t.rows))](
         h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
         down.stride(1), out_sd.stride(0), BN=t.rows, BK=t.cols, num_warps=t.warps)

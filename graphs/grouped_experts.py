@@ -126,12 +126,13 @@ def _grouped_down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, pairs, hidden, in
 
 
 def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Tensor,
-                    weights_tk: torch.Tensor, gate_up_tiles: GroupedTiles = GATE_UP_TILES,
-                    down_tiles: GroupedTiles = DOWN_TILES) -> torch.Tensor:
+                    weights_tk: torch.Tensor, gate_up_tiles: GroupedTiles | None = None,
+                    down_tiles: GroupedTiles | None = None) -> torch.Tensor:
     """The experts' output [T, H] for tokens ``x_td`` [T, H] routed to ``ids_tk`` [T, k] with
     ``weights_tk`` [T, k], each routed expert's weights read once per ``pairs`` of its pairs
     (experts of the layout ``fused_experts.fits`` accepts). Every program scans all T * k ids
-    (a [pairs, T * k] tile): meant for at most ``fused_experts.MAX_GROUPED_PAIRS``."""
+    (a [pairs, T * k] tile): meant for at most ``fused_experts.MAX_GROUPED_PAIRS``. Tiles: as
+    given, else the module's ``GATE_UP_TILES`` / ``DOWN_TILES``."""
     tokens, hidden = x_td.shape
     top_k = ids_tk.shape[1]
     pairs = tokens * top_k
@@ -144,13 +145,13 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
     common = dict(NP=max(16, triton.next_power_of_2(pairs)),
                   FP32_DOT=INTERPRETED or not one_16_bit)
     h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
-    t = gate_up_tiles
+    t = gate_up_tiles or GATE_UP_TILES
     _grouped_gate_up[(num_experts, triton.cdiv(inter, t.rows))](
         x_td, gate_up, ids, h_si, pairs, hidden, inter, x_td.stride(0), gate_up.stride(0),
         gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BM=t.pairs, BN=t.rows, BK=t.cols,
         num_warps=t.warps, **common)
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
-    t = down_tiles
+    t = down_tiles or DOWN_TILES
     _grouped_down[(num_experts, triton.cdiv(hidden, t.rows))](
         h_si, down, ids, weights, out_sd, pairs, hidden, inter, h_si.stride(0), down.stride(0),
         down.stride(1), out_sd.stride(0), BM=t.pairs, BN=t.rows, BK=t.cols, num_warps=t.warps,

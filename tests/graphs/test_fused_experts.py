@@ -41,6 +41,16 @@ from torch_cp.graphs import grouped_experts as ge  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture
+def few_programs(monkeypatch):
+    """In Triton's interpreter every program runs in Python: the engine tests take whole tiles
+    (one program per pair, or per expert, and kernel), the GPU tests their own."""
+    if DEVICE == "cpu":
+        for name in ("GATE_UP_TILES", "DOWN_TILES"):
+            monkeypatch.setattr(fe, name, fe.Tiles(rows=256, cols=256, warps=4))
+            monkeypatch.setattr(ge, name, ge.GroupedTiles(pairs=16, rows=256, cols=256, warps=4))
+
+
 def routed(tokens: int, dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, 256, generator=g)
@@ -134,7 +144,7 @@ def test_bf16_kernels_are_as_exact_as_batched_mm(kernels, tokens):
     assert (got - exact).abs().max() <= 2**-7 * scale
 
 
-def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypatch):
+def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypatch, few_programs):
     experts = experts_of("qwen3_moe", torch.float32)
     monkeypatch.setattr(fe, "MAX_GROUPED_PAIRS", 2 * fe.MAX_PAIRS)  # fewer steps interpreted
     calls = []
@@ -170,7 +180,8 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypa
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["pairs", "grouped"])
-def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch, grouped):
+def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch, grouped,
+                                                                  few_programs):
     """Decode steps through either kernels (``grouped``: ``MAX_PAIRS`` 0, so every step takes
     ``grouped_experts``) give the unpatched model's tokens."""
     prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 19, 23, 1]]
