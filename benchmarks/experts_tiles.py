@@ -23,7 +23,7 @@ from torch_cp.graphs import fused_experts as fe
 from torch_cp.graphs import grouped_experts as ge
 
 ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
-GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS = (16, 32, 64), (64, 128), (4, 8)
+GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS = (32, 64, 128), (64, 128), (4, 8)
 
 
 def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: bool
