@@ -106,6 +106,9 @@ def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = Fal
             experts = (("torch_cp_fused" if fused else "grouped_mm") if dtype == torch.bfloat16
                        else "batched_mm")
         model.set_experts_implementation(experts)
+    # Every system makes exactly the asked tokens: no EOS for Hugging Face's generate to fill
+    # in from the model's defaults (an EOS criterion and logits processors torch_cp runs not).
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
@@ -132,9 +135,45 @@ def routed_expert_bytes(model, batch: int) -> int:
     finally:
         for h in hooks:
             h.remove()
-    e = experts[0]
-    per_expert = (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.down_proj.element_size()
-    return sum(picked) * per_expert
+    return sum(picked) * expert_bytes(experts[0])
+
+
+def expert_bytes(experts: nn.Module) -> int:
+    """Bytes of one expert's weights in an experts module."""
+    return ((experts.gate_up_proj[0].numel() + experts.down_proj[0].numel())
+            * experts.down_proj.element_size())
+
+
+@torch.inference_mode()
+def generated_expert_bytes(model, sequences: list[list[int]], prompt: int, rows: int = 8) -> float:
+    """Bytes of routed expert weights the decode steps that made ``sequences`` (prompt and
+    generated tokens of each row, all of one length) read on average: the unpatched model over
+    the sequences, ``rows`` at a time, and at each position a decode step fed (the first
+    generated token to the last but one) the experts any row's router picked, once per layer.
+    Random one-token inputs (``routed_expert_bytes``) spread over more experts than a random
+    model's own, often repetitive, tokens do."""
+    experts = experts_of(model)
+    if not experts or len(sequences[0]) - prompt < 2:
+        return 0.0
+    picks = [[] for _ in experts]  # per layer, [rows * length, top_k] a forward
+    hooks = [e.register_forward_pre_hook(lambda m, args, i=i: picks[i].append(args[1]))
+             for i, e in enumerate(experts)]
+    ids = torch.tensor(sequences, device=model.device)
+    try:
+        for start in range(0, len(sequences), rows):
+            model(input_ids=ids[start:start + rows], use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    batch, length = ids.shape
+    used = 0
+    for layer, e in zip(picks, experts):
+        fed = torch.cat(layer).view(batch, length, -1)[:, prompt:length - 1]  # [B, steps, k]
+        steps = fed.shape[1]
+        hit = torch.zeros(steps, e.gate_up_proj.shape[0], dtype=torch.bool, device=fed.device)
+        hit.scatter_(1, fed.transpose(0, 1).reshape(steps, -1), True)
+        used += hit.sum().item() / steps
+    return used * expert_bytes(experts[0])
 
 
 def weight_bytes_read(model, batch: int = 1) -> int:
