@@ -53,6 +53,9 @@ def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: 
         ms = graph_time_ms(lambda t=tiles: call(experts, x, ids, weights, **t), device, iters=100)
         rows.append(results.add(shape=shape, tokens=tokens, kernel=kernel, rows=r, cols=c,
                                 warps=w, ms=ms, roofline_ms=roof))
+    ms = graph_time_ms(lambda: call(experts, x, ids, weights), device, iters=100)
+    rows.append(results.add(shape=shape, tokens=tokens, kernel="both at their defaults", ms=ms,
+                            roofline_ms=roof))
     return rows
 
 
