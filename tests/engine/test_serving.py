@@ -154,6 +154,23 @@ def test_stop_token_ids_and_stop_strings_stop_where_transformers_does(hf_tokens)
     assert_pool_whole(e)
 
 
+def test_a_stop_on_the_last_allowed_token_is_a_stop(hf_tokens):
+    """A stop token or string hit by the token that also reaches max_new_tokens ends the request
+    as "stop" (as run() reports an EOS there as "eos"), not "length"."""
+    tok = tiny_tokenizer()
+    row, at = next((r, i) for r, stream in enumerate(hf_tokens) for i, t in enumerate(stream)
+                   if i >= 2 and tok.decode([t]).isalnum())
+    e = engine()
+    by_token = e.submit(PROMPTS[1], 4, stop_token_ids=[hf_tokens[1][3]])
+    by_text = e.submit(PROMPTS[row], at + 1, stop_strings=[tok.decode([hf_tokens[row][at]])],
+                       tokenizer=tok)
+    unstopped = e.submit(PROMPTS[2], 3, stop_token_ids=[hf_tokens[2][3]])
+    got, reasons = collect(e.stream())
+    assert got[by_token] == hf_tokens[1][:4] and got[by_text] == hf_tokens[row][:at + 1]
+    assert reasons[by_token] == reasons[by_text] == "stop" and reasons[unstopped] == "length"
+    assert_pool_whole(e)
+
+
 def test_a_stop_with_a_step_launched_ahead_leaves_no_stale_step(hf_tokens):
     """With overlap planning the step after a stop's is already launched when the stop is seen;
     once nothing runs, it is settled, so the next request's first step is its own."""
@@ -259,9 +276,12 @@ def test_an_interrupt_after_the_steps_commit_returns_every_page(hf_tokens):
     watched = e.submit(PROMPTS[3], NEW, stop_strings=["zz"], tokenizer=tok)
     e.step()
 
-    def interrupted(ids, scores):
-        raise KeyboardInterrupt("planted")
-    e._options[watched].stop = interrupted
+    class Interrupted:  # a StopStringCriteria that raises
+        maximum_token_len = 4
+
+        def __call__(self, ids, scores):
+            raise KeyboardInterrupt("planted")
+    e._options[watched].stop = Interrupted()
     with pytest.raises(KeyboardInterrupt, match="planted"):
         e.step()
     assert_pool_whole(e)

@@ -240,32 +240,42 @@ class Serving:
                                                    error=error))
             return
         launched, tokens = self._committed
-        finished = {request.index: reason for request, reason, _ in ended}
+        finished = {request.index: (request, reason) for request, reason, _ in ended}
         token_logprobs = self._token_logprobs()
         for row in launched.rows:
             rid = row.request
             token = tokens.get(rid)
+            request, reason = finished.get(rid, (None, None))
             if token is None:
-                if rid in finished:
-                    self._finish(rid, (), finished[rid], ())
+                if reason is not None:
+                    self._finish(rid, (), reason, ())
                 continue
             logprobs = (token_logprobs[rid],) if rid in token_logprobs else ()
-            reason = finished.get(rid) or self._stopped(rid, token)
+            # A stop on the last allowed token is a stop, as an EOS there is an EOS.
+            if reason in (None, "length") and self._stopped(rid, token, request):
+                reason = "stop"
             if reason is None:
                 self._outputs.append(RequestOutput(rid, (token,), False, None, logprobs))
             else:
                 self._finish(rid, (token,), reason, logprobs)
 
-    def _stopped(self, rid: int, token: int) -> str | None:
-        """``"stop"`` when ``token`` ends request ``rid`` by a stop token id or string (then
-        its pages return), else None."""
+    def _stopped(self, rid: int, token: int, ended: Request | None) -> bool:
+        """Whether ``token`` ends request ``rid`` by a stop token id or string; a running
+        request is ended then (its pages return). ``ended``: the request if this step's commit
+        already ended it."""
         o = self._options[rid]
-        request = self._scheduler.running[rid]
-        hit = token in o.stop_token_ids or (o.stop is not None and bool(
-            o.stop(torch.tensor([request.tokens]), None)[0]))
-        if hit:
+        request = ended or self._scheduler.running[rid]
+        hit = token in o.stop_token_ids
+        if not hit and o.stop is not None:
+            # The criterion reads the last maximum_token_len tokens: pass those, not them all.
+            n = o.stop.maximum_token_len
+            tail = request.generated[-n:]
+            if len(tail) < n:
+                tail = request.prompt[-(n - len(tail)):] + tail
+            hit = bool(o.stop(torch.tensor([tail]), None)[0])
+        if hit and ended is None:
             self._scheduler.abort(rid)
-        return "stop" if hit else None
+        return hit
 
     def _finish(self, rid: int, token_ids, reason: str, logprobs) -> None:
         self._options.pop(rid, None)
