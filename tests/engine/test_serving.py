@@ -251,8 +251,16 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     for k in (True, -1, 2.0):
         with pytest.raises(ValueError, match="logprobs"):
             e.submit(PROMPTS[1], NEW, logprobs=k)
+    with pytest.raises(ValueError) as caught:
+        e.submit("12", 2.7)  # a str would be read as token ids 1 and 2
+    assert "prompt must be a sequence of token ids" in str(caught.value)
+    assert "max_new_tokens must be an int, got 2.7" in str(caught.value)
+    for prompt, new in (([1.0, 2.0], NEW), ([True], NEW), (PROMPTS[1], None)):
+        with pytest.raises(ValueError, match="prompt must|max_new_tokens must"):
+            e.submit(prompt, new)
     assert not e.has_unfinished()
     assert e.submit(PROMPTS[1], NEW, logprobs=vocab) == 0  # the whole vocabulary is allowed
+    assert e.submit(torch.tensor(PROMPTS[1]), NEW) == 1  # no id was spent on a refusal
 
 
 def test_run_and_generate_refuse_bad_logprobs_before_anything_runs(monkeypatch):

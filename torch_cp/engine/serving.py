@@ -19,6 +19,7 @@ job cannot go on (README says how to shorten the wait).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +88,12 @@ class Serving:
             tuple(stop_token_ids)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
         problems = []
+        token_ids = _token_ids(prompt)
+        if token_ids is None:
+            problems.append(f"prompt must be a sequence of token ids (ints), got "
+                            f"{type(prompt).__name__}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+            problems.append(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             problems.append(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
@@ -109,7 +116,7 @@ class Serving:
                            logprobs)
         request_id = self._next_id
         self._next_id += 1
-        self._pending.append(("submit", request_id, [int(t) for t in prompt],
+        self._pending.append(("submit", request_id, token_ids,
                               int(max_new_tokens), options))
         return request_id
 
@@ -280,3 +287,17 @@ class Serving:
     def _finish(self, rid: int, token_ids, reason: str, logprobs) -> None:
         self._options.pop(rid, None)
         self._outputs.append(RequestOutput(rid, tuple(token_ids), True, reason, logprobs))
+
+
+def _token_ids(prompt) -> list[int] | None:
+    """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
+    not a sequence of them (a str, floats, bools)."""
+    if isinstance(prompt, (str, bytes)):
+        return None
+    try:
+        items = list(prompt)
+        if any(isinstance(t, bool) for t in items):
+            return None
+        return [operator.index(t) for t in items]
+    except TypeError:
+        return None
