@@ -186,6 +186,18 @@ def test_temperatures_that_are_not_finite_are_refused():
             SamplingParams(temperature=bad)
 
 
+def test_sampling_values_of_the_wrong_type_are_named_not_crashed_on():
+    """A bool would pass as 1 and a str would raise a TypeError deep inside."""
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(temperature="0.7", top_k=True, top_p="0.9")
+    for named in ("temperature must be finite", "top_k must be a positive int",
+                  "top_p must be in (0, 1]"):
+        assert named in str(caught.value)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=True)
+    SamplingParams(temperature=0.5, top_k=4, top_p=0.9)  # still fine
+
+
 # --- a request that can never fit ---
 
 def test_a_huge_max_new_tokens_gets_its_error_without_sizing_the_pool(model, monkeypatch):

@@ -11,6 +11,7 @@ TP all-reduce or a merge in another order), and one flipped argmax would split t
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,12 +42,13 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
-        if not 0.0 <= self.temperature < math.inf:
-            problems.append(f"temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if not _real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            problems.append(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int)
+                                       or isinstance(self.top_k, bool) or self.top_k < 1):
             problems.append(f"top_k must be a positive int or None, got {self.top_k!r}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        if self.top_p is not None and (not _real(self.top_p) or not 0.0 < self.top_p <= 1.0):
+            problems.append(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             problems.append(f"seed must be an int, got {self.seed!r}")
         if problems:
@@ -148,3 +150,8 @@ def broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
     t = tokens if dist.get_backend() == "nccl" else tokens.cpu()
     dist.broadcast(t, src=0)
     return t
+
+
+def _real(value) -> bool:
+    """A real number (Python's or NumPy's), not a bool (whose True would pass as 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
