@@ -62,15 +62,18 @@ class ModelRuntime:
         """Whether one step of this model runs on more than one rank (partners or TP)."""
         return self.placement.size > 1 or self.tp > 1
 
-    def new_pool(self, num_pages: int, page_size: int | None = None) -> GQAPool | MLAPool:
-        """A placed pool of ``num_pages`` logical pages (plus the sink page) for every layer."""
+    def new_pool(self, num_pages: int, page_size: int | None = None,
+                 device: torch.device | str | None = None) -> GQAPool | MLAPool:
+        """A placed pool of ``num_pages`` logical pages (plus the sink page) for every layer,
+        on the model's device (or ``device``: "meta" sizes one without allocating it)."""
         g = self.geometry
         page_size = self.page_size if page_size is None else page_size
+        device = self.device if device is None else device
         if g.kind == "gqa":
             return GQAPool(self.num_layers, num_pages, page_size, g.kv_heads, g.head_dim,
-                           self.placement, self.dtype, self.device)
+                           self.placement, self.dtype, device)
         return MLAPool(self.num_layers, num_pages, page_size, g.kv_lora_rank, g.rope_dim,
-                       self.placement, self.dtype, self.device)
+                       self.placement, self.dtype, device)
 
 
 def new_state_pool(runtime: ModelRuntime, num_slots: int) -> StatePool | None:

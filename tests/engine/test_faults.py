@@ -279,6 +279,26 @@ def test_every_bad_engine_argument_is_named_at_once_before_allocation(model, mon
         Engine(model, num_pages=2.5)
 
 
+def test_engine_flags_that_are_not_bools_and_a_pool_larger_than_memory_are_refused(model,
+                                                                                   monkeypatch):
+    """A truthy str would turn a flag on; a pool of 10**12 pages would fail (or be killed)
+    inside its allocation: both refused first, the pool sized on the meta device only."""
+    sized = model.torch_cp.new_pool
+
+    def meta_only(*args, **kwargs):
+        assert "meta" in args or kwargs.get("device") == "meta", "a pool was allocated"
+        return sized(*args, **kwargs)
+    monkeypatch.setattr(model.torch_cp, "new_pool", meta_only)
+    with pytest.raises(ValueError) as e:
+        Engine(model, num_pages=4, overlap_planning="no", prefix_caching=1, compile="yes")
+    for named in ("overlap_planning must be True or False, got 'no'",
+                  "prefix_caching must be True or False, got 1", "compile must be True or False"):
+        assert named in str(e.value)
+    with pytest.raises(ValueError, match=r"num_pages 1000000000000 need .* GiB of pool on each "
+                                         r"rank; the free memory holds at most \d+ pages"):
+        Engine(model, num_pages=10**12)
+
+
 def test_engines_for_calls_of_similar_lengths_share_their_bucket_width(model, monkeypatch):
     """The captured buckets' page-table width is the longest request's, rounded up to a power
     of two (the backend keeps a kernel set per bucket shape): 5 and 7 pages give 8."""

@@ -19,6 +19,7 @@ from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
 from torch_cp.engine.checks import engine_problems
 from torch_cp.engine.feedback import status
+from torch_cp.engine.memory import pool_fit_problems
 from torch_cp.engine.sampling import (
     SamplingParams,
     all_greedy,
@@ -116,7 +117,8 @@ class Engine(BatchRuns, Serving):
                                    max_tokens_per_step, max_rows, max_pages_per_row,
                                    mixed_buckets, cuda_graphs, compile, self.runtime.device,
                                    prefix_caching, hybrid, state_checkpoints,
-                                   backend=self.runtime.backend)
+                                   self.runtime.backend, overlap_planning)
+        problems = problems or pool_fit_problems(self.runtime, page_size, num_pages)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size

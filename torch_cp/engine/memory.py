@@ -104,7 +104,7 @@ def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
 
 def pool_bytes_per_page(runtime, page_size: int) -> int:
     """Bytes one logical page of ``runtime``'s pool takes on this rank, every layer."""
-    return runtime.new_pool(1, page_size).bytes // 2  # one page plus the sink page
+    return runtime.new_pool(1, page_size, "meta").bytes // 2  # one page plus the sink page
 
 
 # Share of free host memory a default pool may take on CPU (activations, logits and the rest of
@@ -145,6 +145,19 @@ def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | 
         budget = int(HOST_MEMORY_SHARE * host)
     budget -= reserved_bytes
     return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
+
+
+def pool_fit_problems(runtime, page_size: int, num_pages: int) -> list[str]:
+    """Why a pool of ``num_pages`` cannot fit in the free memory of its device on some rank
+    (every rank gets the same answer), before any of it is allocated."""
+    device = torch.device(runtime.device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host_bytes()
+    per_page = pool_bytes_per_page(runtime, page_size)
+    fits = _agreed(None if free is None else free // per_page, runtime)
+    if fits is None or num_pages <= fits:
+        return []
+    return [f"num_pages {num_pages} need {num_pages * per_page / 2**30:.1f} GiB of pool on "
+            f"each rank; the free memory holds at most {fits} pages"]
 
 
 def _agreed(cap: int | None, runtime) -> int | None:
