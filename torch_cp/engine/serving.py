@@ -37,7 +37,8 @@ class RequestOutput:
 
     Attributes:
         request_id: the id ``submit`` returned.
-        token_ids: the tokens this step generated (none for a prefill chunk, or an abort).
+        token_ids: the tokens this step generated (none for an abort or an error; a prefill
+            chunk that samples nothing gives no output at all).
         finished: whether the request ended with this step.
         finish_reason: ``"eos"``, ``"stop"`` (a stop token id or string), ``"length"``,
             ``"abort"`` or ``"error"`` when finished, else ``None``.
