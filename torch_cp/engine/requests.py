@@ -4,6 +4,7 @@ checks a request must pass, its stop tokens, and what it produced (``Result``)."
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -121,3 +122,16 @@ def with_text(results: list[Result], tokenizer) -> list[Result]:
     return [dataclasses.replace(r, text=tokenizer.decode(list(r.token_ids),
                                                          skip_special_tokens=True))
             for r in results]
+
+def token_ids_of(prompt) -> list[int] | None:
+    """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
+    not a sequence of them (a str, floats, bools)."""
+    if isinstance(prompt, (str, bytes)):
+        return None
+    try:
+        items = list(prompt)
+        if any(isinstance(t, bool) for t in items):
+            return None
+        return [operator.index(t) for t in items]
+    except TypeError:
+        return None

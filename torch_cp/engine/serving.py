@@ -19,14 +19,13 @@ job cannot go on (README says how to shorten the wait).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from torch_cp.engine.requests import check_request, logprobs_problem, vocab_size
+from torch_cp.engine.requests import check_request, logprobs_problem, token_ids_of, vocab_size
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
 
@@ -89,7 +88,7 @@ class Serving:
             tuple(stop_token_ids)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
         problems = []
-        token_ids = _token_ids(prompt)
+        token_ids = token_ids_of(prompt)
         if token_ids is None:
             problems.append(f"prompt must be a sequence of token ids (ints), got "
                             f"{type(prompt).__name__}")
@@ -289,16 +288,3 @@ class Serving:
         self._options.pop(rid, None)
         self._outputs.append(RequestOutput(rid, tuple(token_ids), True, reason, logprobs))
 
-
-def _token_ids(prompt) -> list[int] | None:
-    """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
-    not a sequence of them (a str, floats, bools)."""
-    if isinstance(prompt, (str, bytes)):
-        return None
-    try:
-        items = list(prompt)
-        if any(isinstance(t, bool) for t in items):
-            return None
-        return [operator.index(t) for t in items]
-    except TypeError:
-        return None
