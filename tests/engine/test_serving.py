@@ -165,7 +165,11 @@ def test_a_stop_on_the_last_allowed_token_is_a_stop(hf_tokens):
     by_text = e.submit(PROMPTS[row], at + 1, stop_strings=[tok.decode([hf_tokens[row][at]])],
                        tokenizer=tok)
     unstopped = e.submit(PROMPTS[2], 3, stop_token_ids=[hf_tokens[2][3]])
+    again = e.submit(PROMPTS[row], at + 1, stop_strings=[tok.decode([hf_tokens[row][at]])],
+                     tokenizer=tok)
+    assert len(e._stop_criteria) == 1, "the criterion is made once, for both requests"
     got, reasons = collect(e.stream())
+    assert got[again] == got[by_text] and reasons[again] == "stop"
     assert got[by_token] == hf_tokens[1][:4] and got[by_text] == hf_tokens[row][:at + 1]
     assert reasons[by_token] == reasons[by_text] == "stop" and reasons[unstopped] == "length"
     assert_pool_whole(e)
