@@ -315,6 +315,17 @@ def test_generate_streams(hf_tokens):
     assert [got[i] for i in range(len(PROMPTS))] == hf_tokens
 
 
+def test_generate_streams_with_the_warnings_generate_gives():
+    from torch_cp.engine.feedback import IgnoredSettingWarning, PositionLimitWarning
+
+    model = torch_cp.patch_model(tiny_qwen3(max_position_embeddings=16), page_size=4)
+    for stream in (False, True):
+        with pytest.warns(IgnoredSettingWarning), pytest.warns(PositionLimitWarning):
+            out = torch_cp.generate(model, [list(range(1, 15))], 4, top_k=5, progress=False,
+                                    stream=stream)
+            list(out)
+
+
 def test_run_and_generate_results_carry_the_streams_logprobs():
     prompts = PROMPTS[:2]
     e = engine()

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
+from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
 from torch_cp.engine.requests import (
     Result,
@@ -17,6 +18,7 @@ from torch_cp.engine.requests import (
     vocab_size,
 )
 from torch_cp.engine.sampling import SamplingParams
+from torch_cp.engine.scheduler import Request
 from torch_cp.engine.serving import RequestOutput
 from torch_cp.placement import page_size_problems
 from torch_cp.runtime import runtime_of
@@ -137,7 +139,10 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
                         compile=compile, overlap_planning=overlap_planning, progress=progress,
                         prefix_caching=prefix_caching)
     eos = eos_ids(model, eos_token_id, tokenizer)
-    if stream:
+    if stream:  # the warnings run() gives
+        warn_ignored_sampling(sampling)
+        warn_past_positions(model, [Request(i, p, n) for i, (p, n) in
+                                    enumerate(zip(token_prompts, news))])
         for prompt, new in zip(token_prompts, news):
             engine.submit(prompt, new, sampling, stop_token_ids=eos, logprobs=logprobs)
         return engine.stream()
