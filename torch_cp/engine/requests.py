@@ -123,6 +123,7 @@ def with_text(results: list[Result], tokenizer) -> list[Result]:
                                                          skip_special_tokens=True))
             for r in results]
 
+
 def token_ids_of(prompt) -> list[int] | None:
     """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
     not a sequence of them (a str, floats, bools)."""

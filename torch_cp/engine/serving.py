@@ -296,4 +296,3 @@ class Serving:
     def _finish(self, rid: int, token_ids, reason: str, logprobs) -> None:
         self._options.pop(rid, None)
         self._outputs.append(RequestOutput(rid, tuple(token_ids), True, reason, logprobs))
-
