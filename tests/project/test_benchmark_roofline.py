@@ -17,18 +17,18 @@ def test_generated_expert_bytes_equal_what_a_cached_decode_routes():
     ids = torch.randint(1, model.config.vocab_size, (3, prompt),
                         generator=torch.Generator().manual_seed(0))
     out = model(input_ids=ids, use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
     sequences, per_step = torch.cat([ids, token], dim=1), []
     experts = models.experts_of(model)
     for _ in range(new - 1):  # the decode steps: each feeds the last generated token
         picked = []
         hooks = [e.register_forward_pre_hook(
             lambda m, args, picked=picked: picked.append(args[1].unique())) for e in experts]
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, cache=cache, use_cache=True)
         for h in hooks:
             h.remove()
         per_step.append(sum(p.numel() for p in picked))
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
         sequences = torch.cat([sequences, token], dim=1)
     want = sum(per_step) / len(per_step) * models.expert_bytes(experts[0])
     got = models.generated_expert_bytes(model, sequences.tolist(), prompt, rows=2)
