@@ -87,13 +87,15 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logi
             second = tl.max(tl.where(e == first[:, None], float("-inf"), choice), axis=1)
             group_score = tl.where(tl.arange(0, GROUPS_PAD) < GROUPS, best + second,
                                    float("-inf"))
-            kept = tl.zeros([GROUPS_PAD], dtype=tl.int1)
             groups = tl.arange(0, GROUPS_PAD)
+            kept = groups < 0
             for _ in tl.static_range(TOPK_GROUP):
-                top = tl.max(group_score, axis=0)
-                pick = tl.min(tl.where(group_score == top, groups, GROUPS_PAD), axis=0)
+                # Among the groups not kept yet: where every score left is -inf, a kept
+                # group's -inf would tie with them.
+                left = (groups < GROUPS) & ~kept
+                top = tl.max(tl.where(left, group_score, float("-inf")), axis=0)
+                pick = tl.min(tl.where(left & (group_score == top), groups, GROUPS_PAD), axis=0)
                 kept = kept | (groups == pick)
-                group_score = tl.where(groups == pick, float("-inf"), group_score)
             choice = tl.where(kept[:, None], choice, float("-inf"))
     else:
         x = tl.where(valid, x, float("-inf"))
@@ -103,15 +105,18 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logi
     k = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int64)
     weights = tl.zeros([K_PAD], dtype=tl.float32)
+    taken = e < 0
     for i in tl.static_range(TOP_K):
-        top = tl.max(tl.max(choice, axis=1), axis=0)
-        pick = tl.minimum(tl.min(tl.min(tl.where(choice == top, e, none), axis=1), axis=0),
-                          experts - 1)
+        # Among the experts not taken yet (all -inf left: never one taken again).
+        left = valid & ~taken
+        top = tl.max(tl.max(tl.where(left, choice, float("-inf")), axis=1), axis=0)
+        pick = tl.minimum(tl.min(tl.min(tl.where(left & (choice == top), e, none), axis=1),
+                                 axis=0), experts - 1)
         picked = (e == pick) & valid  # padding lanes repeat the next group's ids
         ids = tl.where(k == i, pick.to(tl.int64), ids)
         weights = tl.where(k == i, tl.sum(tl.sum(tl.where(picked, score, 0.0), axis=1), axis=0),
                            weights)
-        choice = tl.where(picked, float("-inf"), choice)
+        taken = taken | picked
     if NORM:
         total = tl.sum(weights, axis=0)
         if SIGMOID:
@@ -171,9 +176,12 @@ def kind_of(router: nn.Module) -> str | None:
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of ``model``'s MoE blocks (``gate`` beside ``experts``) the kernel computes."""
+    """The routers of ``model``'s MoE blocks (``gate`` beside ``experts``) the kernel computes:
+    not one whose forward was replaced on the instance (accelerate's offloading hooks, the
+    ``kernels`` library), whose work the kernel would skip."""
     return [b.gate for b in moe_blocks(model)
-            if isinstance(getattr(b, "gate", None), nn.Module) and routing_of(b.gate)]
+            if isinstance(getattr(b, "gate", None), nn.Module) and routing_of(b.gate)
+            and "forward" not in vars(b.gate) and not hasattr(b.gate, "_hf_hook")]
 
 
 def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None = None

@@ -162,6 +162,37 @@ def test_a_router_whose_forward_differs_is_left_alone():
     assert router not in fr.routers(model)
 
 
+def test_a_router_with_a_forward_set_on_it_is_left_alone():
+    """accelerate's offloading hooks and the ``kernels`` library set a forward on the instance:
+    the kernel would skip its work."""
+    model = FAMILIES["qwen3_moe"](torch.float32)
+    router = router_of(model)
+    router.forward = lambda hidden_states: type(router).forward(router, -hidden_states)
+    assert router not in fr.routers(model)
+
+
+@pytest.mark.parametrize("groups, kept, top_k", [(1, 1, 8), (4, 3, 5)])
+def test_experts_scored_minus_inf_are_still_taken_once(groups, kept, top_k):
+    """A bias of -inf (experts pruned) leaves only -inf to choose from at the last picks: each
+    expert, and each group, is still taken at most once, as the router's own forward takes
+    them."""
+    router = router_of(grouped_deepseek(8, groups, kept, top_k))
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.tensor([0.0] * 4 + [float("-inf")] * 4))
+    x = torch.randn(3, router.hidden_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, own_w, own_ids = router(x)
+        _, w, ids = fr.fused_forward(router)(x.to(DEVICE))
+    for row in range(3):
+        assert len(set(ids[row].tolist())) == top_k, ids[row]
+        assert set(ids[row].tolist()) >= set(range(4))  # the four experts with finite scores
+        if groups == 1:  # every expert chosen: the same set and weights
+            assert set(ids[row].tolist()) == set(own_ids[row].tolist())
+            got = dict(zip(ids[row].tolist(), w[row].tolist()))
+            for e, weight in zip(own_ids[row].tolist(), own_w[row].tolist()):
+                assert got[e] == pytest.approx(weight, rel=1e-6)
+
+
 def test_patched_model_routes_through_the_kernel(monkeypatch):
     """``patch_model`` installs the kernel's forward on CUDA only; here it is made to take that
     path on the CPU (the interpreter), and the tokens must not change."""
@@ -176,8 +207,9 @@ def test_patched_model_routes_through_the_kernel(monkeypatch):
     calls = []
     route = fr.route
     monkeypatch.setattr(fr, "route", lambda *a: calls.append(1) or route(*a))
-    model = torch_cp.patch_model(MOE_MODELS["qwen3_moe"](torch.float32))
+    model = MOE_MODELS["qwen3_moe"](torch.float32)
     router = router_of(model)
+    torch_cp.patch_model(model)
     assert "forward" in router.__dict__
     engine = torch_cp.Engine(model, num_pages=16, page_size=4, max_rows=2)
     assert [list(r.token_ids) for r in engine.run(prompts, 4)] == want
