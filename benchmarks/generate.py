@@ -226,6 +226,7 @@ def parse_plan(text: str) -> list[tuple[str, int, list[str]]]:
 def model_info(name: str, model, dtype, build_s: float) -> dict:
     return dict(model=name, build_s=build_s, params=sum(p.numel() for p in model.parameters()),
                 weight_bytes_read={},  # per batch size, filled as blocks start
+                routed_expert_bytes={},  # the MoE experts' part of it
                 kv_bytes_per_token=models.kv_bytes_per_token(model.config, dtype),
                 state_bytes_per_request=models.state_bytes_per_request(model.config, dtype))
 
@@ -236,7 +237,8 @@ def run_block(results: Results, budget: Budget, model_name: str, model, info: di
     records, state, generated = [], {}, {}
     for batch in batches:  # MoE: the experts a step routes to, measured on the unpatched model
         if batch not in info["weight_bytes_read"]:
-            info["weight_bytes_read"][batch] = models.weight_bytes_read(model, batch)
+            routed = info["routed_expert_bytes"][batch] = models.routed_expert_bytes(model, batch)
+            info["weight_bytes_read"][batch] = models.weight_bytes_read(model, batch, routed)
     for system in systems:
         for batch in batches:
             base = dict(model=model_name, system=system, prompt=prompt, batch=batch,
@@ -306,9 +308,8 @@ def with_generated_roofline(results: Results, records: list[dict], model, info: 
         return
     for batch, sequences in generated.items():
         routed = models.generated_expert_bytes(model, sequences, prompt)
-        random_routed = models.routed_expert_bytes(model, batch)
+        delta_ms = (routed - info["routed_expert_bytes"][batch]) / copy_bw * 1e3
         for rec in (r for r in records if r["batch"] == batch):
-            delta_ms = (routed - random_routed) / copy_bw * 1e3
             rec["roofline_generated_ms"] = rec["roofline_ms"] + delta_ms
             if rec.get("step_ms") is not None:
                 rec["step_over_roofline_generated"] = rec["step_ms"] / rec["roofline_generated_ms"]

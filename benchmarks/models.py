@@ -176,16 +176,17 @@ def generated_expert_bytes(model, sequences: list[list[int]], prompt: int, rows:
     return used * expert_bytes(experts[0])
 
 
-def weight_bytes_read(model, batch: int = 1) -> int:
+def weight_bytes_read(model, batch: int = 1, routed_bytes: int | None = None) -> int:
     """Bytes of the weights one decode step of ``batch`` tokens reads: every parameter except an
     untied input embedding table, of which a step reads only its rows; of MoE experts only those
-    the step's tokens route to (``routed_expert_bytes``)."""
+    the step's tokens route to (``routed_bytes``, measured by ``routed_expert_bytes`` if
+    None)."""
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
     routed = {id(p) for e in experts_of(model) for p in e.parameters()}
     dense = sum(p.numel() * p.element_size() for p in model.parameters()
                 if (tied or p is not embed) and id(p) not in routed)
-    return dense + routed_expert_bytes(model, batch)
+    return dense + (routed_expert_bytes(model, batch) if routed_bytes is None else routed_bytes)
 
 
 def linear_layers(config) -> int:
