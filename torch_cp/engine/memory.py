@@ -134,30 +134,32 @@ def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | 
     (``DEVICE_MEMORY_SHARE`` of a GPU's, ``HOST_MEMORY_SHARE`` of the host's) less
     ``reserved_bytes`` (what the engine allocates beside it: a hybrid model's state pool);
     ``None`` when the free memory is unknown."""
-    device = torch.device(runtime.device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(DEVICE_MEMORY_SHARE * free)
-    else:
-        host = free_host_bytes()
-        if host is None:
-            return _agreed(None, runtime)
-        budget = int(HOST_MEMORY_SHARE * host)
-    budget -= reserved_bytes
+    free = _free_bytes(runtime)
+    if free is None:
+        return _agreed(None, runtime)
+    share = DEVICE_MEMORY_SHARE if torch.device(runtime.device).type == "cuda" else \
+        HOST_MEMORY_SHARE
+    budget = int(share * free) - reserved_bytes
     return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
 
 
 def pool_fit_problems(runtime, page_size: int, num_pages: int) -> list[str]:
     """Why a pool of ``num_pages`` cannot fit in the free memory of its device on some rank
     (every rank gets the same answer), before any of it is allocated."""
-    device = torch.device(runtime.device)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host_bytes()
+    free = _free_bytes(runtime)
     per_page = pool_bytes_per_page(runtime, page_size)
     fits = _agreed(None if free is None else free // per_page, runtime)
     if fits is None or num_pages <= fits:
         return []
     return [f"num_pages {num_pages} need {num_pages * per_page / 2**30:.1f} GiB of pool on "
             f"each rank; the free memory holds at most {fits} pages"]
+
+
+def _free_bytes(runtime) -> int | None:
+    """Free memory of the pool's device on this rank: the GPU's, or the host's (None where it is
+    not known)."""
+    device = torch.device(runtime.device)
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host_bytes()
 
 
 def _agreed(cap: int | None, runtime) -> int | None:
