@@ -3,7 +3,9 @@ channels and warps per program, swept one kernel at a time (the other at its def
 from a CUDA graph at one and eight tokens of the Qwen3-30B-A3B and GLM-4.7-Flash blocks, against
 the copy roofline of the routed experts' weights. Prints the fastest tiles of each kernel.
 With ``--grouped``, the same for ``grouped_experts``' kernels (graphs/grouped_experts.py) at 32
-and 64 tokens, beside ``grouped_mm``, the implementation they replace there.
+and 64 tokens, beside ``grouped_mm``, the implementation they replace there. ``--routing hot``
+gives every token the same input (so the same experts: one hot block of each chosen expert, the
+worst case for a kernel that walks an expert's pairs in one program).
 
     python -m benchmarks.experts_tiles --out benchmarks/results/experts_tiles.json
     python -m benchmarks.experts_tiles --grouped --out benchmarks/results/grouped_tiles.json
@@ -26,36 +28,36 @@ ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
 GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS = (32, 64, 128), (64, 128), (4, 8)
 
 
-def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: bool
-          ) -> list[dict]:
+def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: bool,
+          routing: str, defaults_only: bool = False) -> list[dict]:
     device = torch.device("cuda")
     block = moe_block(shape, device, torch.bfloat16)
     experts = block.experts
-    x = torch.randn(tokens, experts.hidden_dim, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1 if routing == "hot" else tokens, experts.hidden_dim, device=device,
+                    dtype=torch.bfloat16).expand(tokens, -1).contiguous()
     with torch.inference_mode():
         _, weights, ids = route(block, x)
     per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 2
     roof = ids.unique().numel() * per_expert / bandwidth * 1e3
     call, tile = (ge.grouped_experts, ge.GroupedTiles) if grouped else (fe.fused_experts, fe.Tiles)
     want = moe.batched_mm_experts_forward(experts, x, ids, weights).float()
+    case = dict(shape=shape, tokens=tokens, routing=routing, roofline_ms=roof)
     rows = []
     if grouped:
         ms = graph_time_ms(lambda: moe.grouped_mm_experts_forward(experts, x, ids, weights),
                            device, iters=100)
-        rows.append(results.add(shape=shape, tokens=tokens, kernel="grouped_mm", ms=ms,
-                                roofline_ms=roof))
+        rows.append(results.add(kernel="grouped_mm", ms=ms, **case))
     space = (itertools.product(GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS) if grouped
              else itertools.product(ROWS, COLS, WARPS))
-    for (r, c, w), kernel in itertools.product(list(space), ("gate_up", "down")):
+    for (r, c, w), kernel in itertools.product([] if defaults_only else list(space),
+                                               ("gate_up", "down")):
         tiles = {f"{kernel}_tiles": tile(16, r, c, w) if grouped else tile(r, c, w)}
         got = call(experts, x, ids, weights, **tiles).float()
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
         ms = graph_time_ms(lambda t=tiles: call(experts, x, ids, weights, **t), device, iters=100)
-        rows.append(results.add(shape=shape, tokens=tokens, kernel=kernel, rows=r, cols=c,
-                                warps=w, ms=ms, roofline_ms=roof))
+        rows.append(results.add(kernel=kernel, rows=r, cols=c, warps=w, ms=ms, **case))
     ms = graph_time_ms(lambda: call(experts, x, ids, weights), device, iters=100)
-    rows.append(results.add(shape=shape, tokens=tokens, kernel="both at their defaults", ms=ms,
-                            roofline_ms=roof))
+    rows.append(results.add(kernel="both at their defaults", ms=ms, **case))
     return rows
 
 
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--tokens", default=None, help="default 1,8 (32,64 with --grouped)")
     p.add_argument("--grouped", action="store_true")
+    p.add_argument("--routing", choices=("spread", "hot"), default="spread")
+    p.add_argument("--defaults-only", action="store_true", help="no sweep: the default tiles")
     args = p.parse_args(argv)
     args.tokens = args.tokens or ("32,64" if args.grouped else "1,8")
     results = Results(args.out, header=run_header(torch.device("cuda")))
@@ -72,7 +76,8 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for shape in SHAPES:
             for tokens in (int(t) for t in args.tokens.split(",")):
-                rows += sweep(shape, tokens, bandwidth, results, args.grouped)
+                rows += sweep(shape, tokens, bandwidth, results, args.grouped, args.routing,
+                              args.defaults_only)
     best = []
     rows.sort(key=lambda r: (r["shape"], r["tokens"], r["kernel"]))
     for _, group in itertools.groupby(rows, lambda r: (r["shape"], r["tokens"], r["kernel"])):

@@ -3,13 +3,15 @@
 At 32 to 64 tokens of Qwen3-30B-A3B (256-512 (token, expert) pairs over 128 experts), nearly
 every expert is routed a few tokens. The pair-at-a-time kernels of ``fused_experts`` would read
 an expert once per pair; transformers' ``grouped_mm`` reads each once, but sorts, counts and
-gathers on the way, and its GEMMs are tiled for many rows. Here a program owns one expert and a
-tile of its output channels, finds that expert's pairs itself (a compare and a prefix sum over
-the step's expert ids, a few KB from L2), and multiplies up to ``pairs`` of them at a time with
-the weight tile (``tl.dot``, float32 accumulators): nothing sorted, no host, and experts nobody
-chose cost one read of the ids. The first kernel writes SiLU(gate) * up per pair, the second
-the down projection times the routing weight in float32; a token's pairs are summed in float32,
-as ``fused_experts`` does.
+gathers on the way, and its GEMMs are tiled for many rows. Here one small kernel (``align``)
+lays the step's pairs out by expert in blocks of ``pairs`` slots, each expert's blocks after the
+previous experts' (a count, a prefix sum and a scatter over the ids, a few KB, one program per
+expert); then a program owns one block and a tile of its expert's output channels and multiplies
+the block's pairs with the weight tile (``tl.dot``, float32 accumulators): nothing goes to the
+host, and a hot expert (at worst every token routed to the same experts) is spread over as many
+programs as it has blocks rather than walked through by one. The first kernel writes
+SiLU(gate) * up per pair, the second the down projection times the routing weight in float32; a
+token's pairs are summed in float32, as ``fused_experts`` does.
 """
 
 from __future__ import annotations
@@ -51,21 +53,33 @@ DOWN_TILES = GroupedTiles(pairs=16, rows=64, cols=64, warps=4)
 
 
 @triton.jit
-def _expert_pairs(ids_ptr, pairs, expert, NP: tl.constexpr):
-    """The step's pairs routed to ``expert`` (mask [NP]), their order among them, their count."""
+def _align(ids_ptr, pairs, slots_ptr, block_experts_ptr, blocks_len, BM: tl.constexpr,
+           NP: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr):
+    """Program ``e`` lays out expert e's pairs in blocks of ``BM`` slots after the blocks of the
+    experts before it: ``slots`` [blocks_len * BM] pair indices (-1 pads a block's tail),
+    ``block_experts`` [blocks_len] each block's expert (-1 where no expert needs the block)."""
+    expert = tl.program_id(0)
+    e = tl.arange(0, EP)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for c0 in range(0, pairs, CH):
+        c = c0 + tl.arange(0, CH)
+        chunk = tl.load(ids_ptr + c, mask=c < pairs, other=-1)
+        counts += tl.sum((e[:, None] == chunk[None, :]).to(tl.int32), axis=1)
+    blocks = (counts + BM - 1) // BM
+    start = tl.sum(tl.where(e < expert, blocks, 0), axis=0)
     p = tl.arange(0, NP)
     mine = tl.load(ids_ptr + p, mask=p < pairs, other=-1) == expert
     order = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    return mine, order, tl.sum(mine.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _block_of(mine, order, block, NP: tl.constexpr, BM: tl.constexpr):
-    """[BM] pair indices of the expert's pairs numbered ``block * BM`` onward, and their mask."""
-    want = block * BM + tl.arange(0, BM)
-    picked = (order[None, :] == want[:, None]) & mine[None, :]
-    index = tl.sum(tl.where(picked, tl.arange(0, NP)[None, :], 0), axis=1)
-    return index, tl.sum(picked.to(tl.int32), axis=1) > 0
+    count = tl.sum(mine.to(tl.int32), axis=0)
+    tl.store(slots_ptr + start * BM + order, p, mask=mine)
+    tail = count + tl.arange(0, BM)
+    tl.store(slots_ptr + start * BM + tail, tl.full([BM], -1, tl.int32),
+             mask=tail < (count + BM - 1) // BM * BM)
+    b = tl.arange(0, NB)
+    own = (b >= start) & (b * BM < start * BM + count)
+    unused = (b >= tl.sum(blocks, axis=0)) & (b * 0 + expert == 0)  # written by program 0
+    tl.store(block_experts_ptr + b, tl.where(own, expert, -1),
+             mask=(own | unused) & (b < blocks_len))
 
 
 @triton.jit
@@ -86,37 +100,39 @@ def _times_rows(acc, a_rows, in_a, w_rows, in_w, length, BK: tl.constexpr, FP32_
 
 
 @triton.jit
-def _grouped_gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, pairs, hidden, inter, x_st, w_se, w_sn,
-                     out_ss, TOP_K: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
+def _grouped_gate_up(x_ptr, w_ptr, slots_ptr, block_experts_ptr, out_ptr, hidden, inter, x_st,
+                     w_se, w_sn, out_ss, TOP_K: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, FP32_DOT: tl.constexpr):
-    expert = tl.program_id(0)
-    mine, order, count = _expert_pairs(ids_ptr, pairs, expert, NP)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    in_n = n < inter
-    gate_rows = w_ptr + expert.to(tl.int64) * w_se + n[:, None] * w_sn
-    up_rows = gate_rows + inter * w_sn
-    for block in range(0, tl.cdiv(count, BM)):
-        index, in_block = _block_of(mine, order, block, NP, BM)
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= 0:
+        slot = tl.load(slots_ptr + block * BM + tl.arange(0, BM))
+        in_block, index = slot >= 0, tl.maximum(slot, 0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        in_n = n < inter
+        gate_rows = w_ptr + expert.to(tl.int64) * w_se + n[:, None] * w_sn
         x_rows = x_ptr + (index // TOP_K)[:, None] * x_st
         zero = tl.zeros([BM, BN], dtype=tl.float32)
         gate = _times_rows(zero, x_rows, in_block, gate_rows, in_n, hidden, BK, FP32_DOT)
-        up = _times_rows(zero, x_rows, in_block, up_rows, in_n, hidden, BK, FP32_DOT)
+        up = _times_rows(zero, x_rows, in_block, gate_rows + inter * w_sn, in_n, hidden, BK,
+                         FP32_DOT)
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + index[:, None] * out_ss + n[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=in_block[:, None] & in_n[None, :])
 
 
 @triton.jit
-def _grouped_down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, pairs, hidden, inter, h_ss, w_se,
-                  w_sm, out_ss, NP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _grouped_down(h_ptr, w_ptr, slots_ptr, block_experts_ptr, weights_ptr, out_ptr, hidden, inter,
+                  h_ss, w_se, w_sm, out_ss, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, FP32_DOT: tl.constexpr):
-    expert = tl.program_id(0)
-    mine, order, count = _expert_pairs(ids_ptr, pairs, expert, NP)
-    m = tl.program_id(1) * BN + tl.arange(0, BN)
-    in_m = m < hidden
-    rows = w_ptr + expert.to(tl.int64) * w_se + m[:, None] * w_sm
-    for block in range(0, tl.cdiv(count, BM)):
-        index, in_block = _block_of(mine, order, block, NP, BM)
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= 0:
+        slot = tl.load(slots_ptr + block * BM + tl.arange(0, BM))
+        in_block, index = slot >= 0, tl.maximum(slot, 0)
+        m = tl.program_id(1) * BN + tl.arange(0, BN)
+        in_m = m < hidden
+        rows = w_ptr + expert.to(tl.int64) * w_se + m[:, None] * w_sm
         zero = tl.zeros([BM, BN], dtype=tl.float32)
         acc = _times_rows(zero, h_ptr + index[:, None] * h_ss, in_block, rows, in_m, inter, BK,
                           FP32_DOT)
@@ -125,13 +141,30 @@ def _grouped_down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, pairs, hidden, in
                  mask=in_block[:, None] & in_m[None, :])
 
 
+def align(ids: torch.Tensor, num_experts: int, pairs_per_block: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed pairs ``ids`` [P] (expert of each) grouped by expert into blocks of
+    ``pairs_per_block``: slots [B * pairs_per_block] int32 (pair indices, -1 padding) and
+    block_experts [B] int32 (-1: unused), B = cdiv(P, pairs_per_block) + min(experts, P), the
+    most any routing needs. On the device, in one launch: no host sync, so a graph holds it."""
+    pairs = ids.numel()
+    blocks_len = triton.cdiv(pairs, pairs_per_block) + min(num_experts, pairs)
+    slots = torch.empty(blocks_len * pairs_per_block, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(blocks_len, dtype=torch.int32, device=ids.device)
+    _align[(num_experts,)](ids, pairs, slots, block_experts, blocks_len, BM=pairs_per_block,
+                           NP=max(16, triton.next_power_of_2(pairs)),
+                           EP=max(16, triton.next_power_of_2(num_experts)),
+                           NB=max(16, triton.next_power_of_2(blocks_len)), CH=32)
+    return slots, block_experts
+
+
 def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Tensor,
                     weights_tk: torch.Tensor, gate_up_tiles: GroupedTiles | None = None,
                     down_tiles: GroupedTiles | None = None) -> torch.Tensor:
     """The experts' output [T, H] for tokens ``x_td`` [T, H] routed to ``ids_tk`` [T, k] with
     ``weights_tk`` [T, k], each routed expert's weights read once per ``pairs`` of its pairs
-    (experts of the layout ``fused_experts.fits`` accepts). Every program scans all T * k ids
-    (a [pairs, T * k] tile): meant for at most ``fused_experts.MAX_GROUPED_PAIRS``. Tiles: as
+    (experts of the layout ``fused_experts.fits`` accepts). ``align``'s programs each read all
+    T * k ids: meant for at most ``fused_experts.MAX_GROUPED_PAIRS``. Tiles: as
     given, else the module's ``GATE_UP_TILES`` / ``DOWN_TILES``."""
     tokens, hidden = x_td.shape
     top_k = ids_tk.shape[1]
@@ -142,18 +175,21 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
     ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
     # tl.dot takes two tiles of one 16-bit dtype; fp32 or mixed dtypes multiply in fp32.
     one_16_bit = x_td.dtype == gate_up.dtype == down.dtype != torch.float32
-    common = dict(NP=max(16, triton.next_power_of_2(pairs)),
-                  FP32_DOT=INTERPRETED or not one_16_bit)
+    fp32_dot = INTERPRETED or not one_16_bit
+    gate_up_tiles, down_tiles = gate_up_tiles or GATE_UP_TILES, down_tiles or DOWN_TILES
+    layouts = {t.pairs: align(ids, num_experts, t.pairs) for t in (gate_up_tiles, down_tiles)}
     h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
-    t = gate_up_tiles or GATE_UP_TILES
-    _grouped_gate_up[(num_experts, triton.cdiv(inter, t.rows))](
-        x_td, gate_up, ids, h_si, pairs, hidden, inter, x_td.stride(0), gate_up.stride(0),
-        gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BM=t.pairs, BN=t.rows, BK=t.cols,
-        num_warps=t.warps, **common)
+    t = gate_up_tiles
+    slots, block_experts = layouts[t.pairs]
+    _grouped_gate_up[(block_experts.numel(), triton.cdiv(inter, t.rows))](
+        x_td, gate_up, slots, block_experts, h_si, hidden, inter, x_td.stride(0),
+        gate_up.stride(0), gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BM=t.pairs,
+        BN=t.rows, BK=t.cols, FP32_DOT=fp32_dot, num_warps=t.warps)
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
-    t = down_tiles or DOWN_TILES
-    _grouped_down[(num_experts, triton.cdiv(hidden, t.rows))](
-        h_si, down, ids, weights, out_sd, pairs, hidden, inter, h_si.stride(0), down.stride(0),
-        down.stride(1), out_sd.stride(0), BM=t.pairs, BN=t.rows, BK=t.cols, num_warps=t.warps,
-        **common)
+    t = down_tiles
+    slots, block_experts = layouts[t.pairs]
+    _grouped_down[(block_experts.numel(), triton.cdiv(hidden, t.rows))](
+        h_si, down, slots, block_experts, weights, out_sd, hidden, inter, h_si.stride(0),
+        down.stride(0), down.stride(1), out_sd.stride(0), BM=t.pairs, BN=t.rows, BK=t.cols,
+        FP32_DOT=fp32_dot, num_warps=t.warps)
     return out_sd.view(tokens, top_k, hidden).sum(dim=1).to(x_td.dtype)
