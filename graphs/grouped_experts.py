@@ -54,21 +54,19 @@ DOWN_TILES = GroupedTiles(pairs=16, rows=64, cols=64, warps=4)
 
 @triton.jit
 def _align(ids_ptr, pairs, slots_ptr, block_experts_ptr, blocks_len, BM: tl.constexpr,
-           NP: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr):
+           NP: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr):
     """Program ``e`` lays out expert e's pairs in blocks of ``BM`` slots after the blocks of the
     experts before it: ``slots`` [blocks_len * BM] pair indices (-1 pads a block's tail),
     ``block_experts`` [blocks_len] each block's expert (-1 where no expert needs the block)."""
     expert = tl.program_id(0)
-    e = tl.arange(0, EP)
-    counts = tl.zeros([EP], dtype=tl.int32)
-    for c0 in range(0, pairs, CH):
-        c = c0 + tl.arange(0, CH)
-        chunk = tl.load(ids_ptr + c, mask=c < pairs, other=-1)
-        counts += tl.sum((e[:, None] == chunk[None, :]).to(tl.int32), axis=1)
-    blocks = (counts + BM - 1) // BM
-    start = tl.sum(tl.where(e < expert, blocks, 0), axis=0)
     p = tl.arange(0, NP)
-    mine = tl.load(ids_ptr + p, mask=p < pairs, other=-1) == expert
+    # EP > experts: a bin of its own for the padding
+    ids = tl.load(ids_ptr + p, mask=p < pairs, other=EP - 1).to(tl.int32)
+    counts = tl.histogram(ids, EP)
+    e = tl.arange(0, EP)
+    blocks = tl.where(e < EP - 1, (counts + BM - 1) // BM, 0)
+    start = tl.sum(tl.where(e < expert, blocks, 0), axis=0)
+    mine = (ids == expert) & (p < pairs)
     order = tl.cumsum(mine.to(tl.int32), axis=0) - 1
     count = tl.sum(mine.to(tl.int32), axis=0)
     tl.store(slots_ptr + start * BM + order, p, mask=mine)
@@ -153,8 +151,8 @@ def align(ids: torch.Tensor, num_experts: int, pairs_per_block: int
     block_experts = torch.empty(blocks_len, dtype=torch.int32, device=ids.device)
     _align[(num_experts,)](ids, pairs, slots, block_experts, blocks_len, BM=pairs_per_block,
                            NP=max(16, triton.next_power_of_2(pairs)),
-                           EP=max(16, triton.next_power_of_2(num_experts)),
-                           NB=max(16, triton.next_power_of_2(blocks_len)), CH=32)
+                           EP=max(16, triton.next_power_of_2(num_experts + 1)),
+                           NB=max(16, triton.next_power_of_2(blocks_len)))
     return slots, block_experts
 
 

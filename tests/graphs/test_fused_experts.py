@@ -202,6 +202,8 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypa
     assert len(calls) == 3
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU models through Triton's interpreter; on the GPU "
+                    "the captured and compiled engine tests below")
 @pytest.mark.parametrize("grouped", [False, True], ids=["pairs", "grouped"])
 def test_engine_with_fused_experts_generates_the_unpatched_tokens(monkeypatch, grouped,
                                                                   few_programs):
