@@ -25,7 +25,8 @@ from torch_cp.graphs import fused_experts as fe
 from torch_cp.graphs import grouped_experts as ge
 
 ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
-GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS = (32, 64, 128), (64, 128), (4, 8)
+GROUPED_PAIRS, GROUPED_ROWS = (16, 32), (32, 64, 128)
+GROUPED_COLS, GROUPED_WARPS = (64, 128), (4, 8)
 
 
 def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: bool,
@@ -47,15 +48,16 @@ def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: 
         ms = graph_time_ms(lambda: moe.grouped_mm_experts_forward(experts, x, ids, weights),
                            device, iters=100)
         rows.append(results.add(kernel="grouped_mm", ms=ms, **case))
-    space = (itertools.product(GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS) if grouped
-             else itertools.product(ROWS, COLS, WARPS))
-    for (r, c, w), kernel in itertools.product([] if defaults_only else list(space),
-                                               ("gate_up", "down")):
-        tiles = {f"{kernel}_tiles": tile(16, r, c, w) if grouped else tile(r, c, w)}
+    space = (itertools.product(GROUPED_PAIRS, GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS)
+             if grouped else itertools.product([None], ROWS, COLS, WARPS))
+    for (m, r, c, w), kernel in itertools.product([] if defaults_only else list(space),
+                                                  ("gate_up", "down")):
+        # (a kernel at other pairs than the other's takes a second align: counted in its time)
+        tiles = {f"{kernel}_tiles": tile(m, r, c, w) if grouped else tile(r, c, w)}
         got = call(experts, x, ids, weights, **tiles).float()
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
         ms = graph_time_ms(lambda t=tiles: call(experts, x, ids, weights, **t), device, iters=100)
-        rows.append(results.add(kernel=kernel, rows=r, cols=c, warps=w, ms=ms, **case))
+        rows.append(results.add(kernel=kernel, pairs=m, rows=r, cols=c, warps=w, ms=ms, **case))
     ms = graph_time_ms(lambda: call(experts, x, ids, weights), device, iters=100)
     rows.append(results.add(kernel="both at their defaults", ms=ms, **case))
     return rows
@@ -82,13 +84,14 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (r["shape"], r["tokens"], r["kernel"]))
     for _, group in itertools.groupby(rows, lambda r: (r["shape"], r["tokens"], r["kernel"])):
         best.append(min(group, key=lambda r: r["ms"]))
-    print(table(best, ["shape", "tokens", "kernel", "rows", "cols", "warps", "ms",
+    print(table(best, ["shape", "tokens", "kernel", "pairs", "rows", "cols", "warps", "ms",
                        "roofline_ms"]))
     module = ge if args.grouped else fe
     for kernel in ("gate_up", "down"):
         t = getattr(module, f"{kernel.upper()}_TILES")
         defaults = [r for r in rows if r["kernel"] == kernel
-                    and (r["rows"], r["cols"], r["warps"]) == (t.rows, t.cols, t.warps)]
+                    and (r["pairs"], r["rows"], r["cols"], r["warps"])
+                    == (getattr(t, "pairs", None), t.rows, t.cols, t.warps)]
         print(f"{kernel} at its default tiles {t}:")
         print(table(defaults, ["shape", "tokens", "ms", "roofline_ms"]))
     results.save()

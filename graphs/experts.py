@@ -31,8 +31,8 @@ log = logging.getLogger("torch_cp")
 # grouped_mm's 0.112 / 0.166 with their first tiles (run 53), the tiles picked since halve their
 # part (run 54), and a Qwen3-30B-A3B decode step at batch 1 takes 5.21 ms against 6.75 (runs 55,
 # 40); they are more exact (fp32 up to SiLU(gate) * up), run graphs/grouped_experts.py's kernels
-# up to MAX_GROUPED_PAIRS (0.30-0.38 ms at 32 and 64 tokens against grouped_mm's 0.45-0.51, run
-# 71), and grouped_mm (bf16) or batched_mm above. grouped_mm takes 0.49-0.58 ms at 32 and 64
+# up to MAX_GROUPED_PAIRS (0.26-0.31 ms at 32 and 64 tokens against grouped_mm's 0.45-0.51, run
+# 76), and grouped_mm (bf16) or batched_mm above. grouped_mm takes 0.49-0.58 ms at 32 and 64
 # tokens against batched_mm's 1.6-3.1 ms (which copies every token's experts); batched_mm is the
 # one left where grouped_mm cannot be captured (weights other than bf16).
 PREFERRED = ("torch_cp_fused", "grouped_mm", "batched_mm")

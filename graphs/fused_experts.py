@@ -31,7 +31,7 @@ from torch_cp.graphs.experts import capturable
 NAME = "torch_cp_fused"
 MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
 # ... to take grouped_experts' kernels: measured faster than grouped_mm at 256 and 512 pairs (32
-# and 64 tokens of top 8, run 71); above, not measured.
+# and 64 tokens of top 8, runs 71 and 76); above, not measured.
 MAX_GROUPED_PAIRS = 512
 
 
