@@ -167,7 +167,7 @@ def test_a_stop_on_the_last_allowed_token_is_a_stop(hf_tokens):
     unstopped = e.submit(PROMPTS[2], 3, stop_token_ids=[hf_tokens[2][3]])
     again = e.submit(PROMPTS[row], at + 1, stop_strings=[tok.decode([hf_tokens[row][at]])],
                      tokenizer=tok)
-    assert len(e._stop_criteria) == 1, "the criterion is made once, for both requests"
+    assert len(e._stop_strings.unsent()) == 1, "the criterion is made once, for both requests"
     got, reasons = collect(e.stream())
     assert got[again] == got[by_text] and reasons[again] == "stop"
     assert got[by_token] == hf_tokens[1][:4] and got[by_text] == hf_tokens[row][:at + 1]
@@ -293,7 +293,7 @@ def test_an_interrupt_after_the_steps_commit_returns_every_page(hf_tokens):
 
         def __call__(self, ids, scores):
             raise KeyboardInterrupt("planted")
-    e._options[watched].stop = Interrupted()
+    e._stop_strings._criteria[e._options[watched].stop] = Interrupted()
     with pytest.raises(KeyboardInterrupt, match="planted"):
         e.step()
     assert_pool_whole(e)

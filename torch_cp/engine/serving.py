@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch_cp.engine.requests import check_request, logprobs_problem, token_ids_of, vocab_size
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
+from torch_cp.engine.stops import StopStrings
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class RequestOutput:
 class _Options:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
-    stop: object | None  # a StopStringCriteria
+    stop: int | None  # the number of its stop strings' criterion in the engine's StopStrings
     logprobs: int | None
     generator: torch.Generator | None = field(default=None, repr=False)
 
@@ -70,9 +71,7 @@ class Serving:
     def _serving_init(self) -> None:
         self._scheduler: Scheduler | None = None
         self._options: dict[int, _Options] = {}
-        # (tokenizer, stop strings) -> criterion: making one walks the whole vocabulary (0.5-1.3
-        # s for 150k tokens), and requests share their stop strings.
-        self._stop_criteria: dict[tuple, tuple[object, object]] = {}
+        self._stop_strings = StopStrings()
         self._pending: list[tuple] = []  # ("submit", id, prompt, new, options) / ("abort", id)
         self._next_id = 0
         self._outputs: list[RequestOutput] = []
@@ -110,7 +109,7 @@ class Serving:
             problems.append(problem)
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
-        stop = self._stop_criterion(tokenizer, stop_strings) if stop_strings else None
+        stop = self._stop_strings.number(tokenizer, stop_strings) if stop_strings else None
         options = _Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
                            logprobs)
         request_id = self._next_id
@@ -118,16 +117,6 @@ class Serving:
         self._pending.append(("submit", request_id, token_ids,
                               int(max_new_tokens), options))
         return request_id
-
-    def _stop_criterion(self, tokenizer, stop_strings: tuple[str, ...]):
-        key = (id(tokenizer), stop_strings)
-        made = self._stop_criteria.get(key)
-        if made is None or made[0] is not tokenizer:  # an id reused by another tokenizer
-            from transformers.generation.stopping_criteria import StopStringCriteria
-
-            made = self._stop_criteria[key] = (tokenizer, StopStringCriteria(
-                tokenizer, list(stop_strings)))
-        return made[1]
 
     def abort(self, request_id: int) -> None:
         """End a request at the next step boundary; its pages and state slot return then (a
@@ -181,12 +170,14 @@ class Serving:
     # Internals.
 
     def _decided(self) -> list[tuple]:
-        """Rank 0's pending submissions and aborts, on every rank."""
+        """Rank 0's pending submissions and aborts, on every rank (with the stop-string
+        criteria they name that it has not sent before)."""
         pending, self._pending = self._pending, []
         if self.broadcast:
-            box = [pending]
+            box = [(pending, self._stop_strings.unsent())]
             dist.broadcast_object_list(box, src=0)
-            pending = box[0]
+            pending, criteria = box[0]
+            self._stop_strings.learn(criteria)
             self._next_id = max([self._next_id] + [p[1] + 1 for p in pending if p[0] == "submit"])
         return pending
 
@@ -283,12 +274,13 @@ class Serving:
         request = ended or self._scheduler.running[rid]
         hit = token in o.stop_token_ids
         if not hit and o.stop is not None:
+            stop = self._stop_strings[o.stop]
             # The criterion reads the last maximum_token_len tokens: pass those, not them all.
-            n = o.stop.maximum_token_len
+            n = stop.maximum_token_len
             tail = request.generated[-n:]
             if len(tail) < n:
                 tail = request.prompt[-(n - len(tail)):] + tail
-            hit = bool(o.stop(torch.tensor([tail]), None)[0])
+            hit = bool(stop(torch.tensor([tail]), None)[0])
         if hit and ended is None:
             self._scheduler.abort(rid)
         return hit
