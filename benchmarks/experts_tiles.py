@@ -4,8 +4,8 @@ from a CUDA graph at one and eight tokens of the Qwen3-30B-A3B and GLM-4.7-Flash
 the copy roofline of the routed experts' weights. Prints the fastest tiles of each kernel.
 With ``--grouped``, the same for ``grouped_experts``' kernels (graphs/grouped_experts.py) at 32
 and 64 tokens, beside ``grouped_mm``, the implementation they replace there. ``--routing hot``
-gives every token the same input (so the same experts: one hot block of each chosen expert, the
-worst case for a kernel that walks an expert's pairs in one program).
+gives every token the same input (so the same experts, each with all the tokens: the worst case
+for a kernel that walks an expert's pairs in one program).
 
     python -m benchmarks.experts_tiles --out benchmarks/results/experts_tiles.json
     python -m benchmarks.experts_tiles --grouped --out benchmarks/results/grouped_tiles.json
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     print(table(best, ["shape", "tokens", "kernel", "pairs", "rows", "cols", "warps", "ms",
                        "roofline_ms"]))
     module = ge if args.grouped else fe
-    for kernel in ("gate_up", "down"):
+    for kernel in () if args.defaults_only else ("gate_up", "down"):
         t = getattr(module, f"{kernel.upper()}_TILES")
         defaults = [r for r in rows if r["kernel"] == kernel
                     and (r["pairs"], r["rows"], r["cols"], r["warps"])

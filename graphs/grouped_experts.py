@@ -175,7 +175,10 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
     one_16_bit = x_td.dtype == gate_up.dtype == down.dtype != torch.float32
     fp32_dot = INTERPRETED or not one_16_bit
     gate_up_tiles, down_tiles = gate_up_tiles or GATE_UP_TILES, down_tiles or DOWN_TILES
-    layouts = {t.pairs: align(ids, num_experts, t.pairs) for t in (gate_up_tiles, down_tiles)}
+    layouts = {}
+    for t in (gate_up_tiles, down_tiles):
+        if t.pairs not in layouts:
+            layouts[t.pairs] = align(ids, num_experts, t.pairs)
     h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
     t = gate_up_tiles
     slots, block_experts = layouts[t.pairs]
