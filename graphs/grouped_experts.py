@@ -98,17 +98,29 @@ def _times_rows(acc, a_rows, in_a, w_rows, in_w, length, BK: tl.constexpr, FP32_
 
 
 @triton.jit
+def _block_pairs(slots_ptr, block, BM: tl.constexpr):
+    """The block's [BM] slots: which hold a pair, and the pair indices (0 in the padding)."""
+    slot = tl.load(slots_ptr + block * BM + tl.arange(0, BM))
+    return slot >= 0, tl.maximum(slot, 0)
+
+
+@triton.jit
+def _weight_rows(w_ptr, expert, w_se, w_sr, size, BN: tl.constexpr):
+    """This program's tile of ``BN`` of the expert's ``size`` weight rows: their indices, which
+    exist, and pointers [BN, 1]."""
+    r = tl.program_id(1) * BN + tl.arange(0, BN)
+    return r, r < size, w_ptr + expert.to(tl.int64) * w_se + r[:, None] * w_sr
+
+
+@triton.jit
 def _grouped_gate_up(x_ptr, w_ptr, slots_ptr, block_experts_ptr, out_ptr, hidden, inter, x_st,
                      w_se, w_sn, out_ss, TOP_K: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, FP32_DOT: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:
-        slot = tl.load(slots_ptr + block * BM + tl.arange(0, BM))
-        in_block, index = slot >= 0, tl.maximum(slot, 0)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        in_n = n < inter
-        gate_rows = w_ptr + expert.to(tl.int64) * w_se + n[:, None] * w_sn
+        in_block, index = _block_pairs(slots_ptr, block, BM)
+        n, in_n, gate_rows = _weight_rows(w_ptr, expert, w_se, w_sn, inter, BN)
         x_rows = x_ptr + (index // TOP_K)[:, None] * x_st
         zero = tl.zeros([BM, BN], dtype=tl.float32)
         gate = _times_rows(zero, x_rows, in_block, gate_rows, in_n, hidden, BK, FP32_DOT)
@@ -126,11 +138,8 @@ def _grouped_down(h_ptr, w_ptr, slots_ptr, block_experts_ptr, weights_ptr, out_p
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:
-        slot = tl.load(slots_ptr + block * BM + tl.arange(0, BM))
-        in_block, index = slot >= 0, tl.maximum(slot, 0)
-        m = tl.program_id(1) * BN + tl.arange(0, BN)
-        in_m = m < hidden
-        rows = w_ptr + expert.to(tl.int64) * w_se + m[:, None] * w_sm
+        in_block, index = _block_pairs(slots_ptr, block, BM)
+        m, in_m, rows = _weight_rows(w_ptr, expert, w_se, w_sm, hidden, BN)
         zero = tl.zeros([BM, BN], dtype=tl.float32)
         acc = _times_rows(zero, h_ptr + index[:, None] * h_ss, in_block, rows, in_m, inter, BK,
                           FP32_DOT)
