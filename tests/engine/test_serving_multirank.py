@@ -46,8 +46,9 @@ def _serve(rank: int, world: int) -> dict:
                         overlap_planning=True)
     # Only rank 0's submissions count: rank 1 submits nothing and still steps with rank 0.
     stop = dict(stop_strings=[_stop_text()[0]], tokenizer=tiny_tokenizer())
-    ids = [e.submit(p, NEW) for p in PROMPTS] + [e.submit(PROMPTS[0], NEW, **stop)] if rank == 0 \
-        else []
+    ids = []
+    if rank == 0:
+        ids = [e.submit(p, NEW) for p in PROMPTS] + [e.submit(PROMPTS[0], NEW, **stop)]
     outputs = e.step()
     if rank == 0:
         e.submit(PROMPTS[0], NEW, **stop)

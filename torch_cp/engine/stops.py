@@ -16,7 +16,9 @@ class StopStrings:
     by number."""
 
     def __init__(self) -> None:
-        self._numbers: dict[tuple, tuple[object, int]] = {}  # (id(tokenizer), strings) ->
+        # (id(tokenizer), strings) -> (tokenizer, number): the tokenizer kept, so its id is not
+        # reused while the entry lives
+        self._numbers: dict[tuple, tuple[object, int]] = {}
         self._criteria: dict[int, object] = {}
         self._unsent: dict[int, object] = {}
 
