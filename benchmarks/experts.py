@@ -29,6 +29,7 @@ import torch
 from transformers import AutoConfig
 
 from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table, time_ms
+from benchmarks.models import expert_bytes
 
 try:  # registers torch_cp's fused decode-sized experts ("torch_cp_fused"; needs Triton)
     from torch_cp.graphs import fused_experts
@@ -105,11 +106,9 @@ def touched_bytes(block, x: torch.Tensor) -> int:
     with torch.inference_mode():
         _, _, ids = route(block, x)
     experts = experts_of(block)
-    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * \
-        experts.gate_up_proj.element_size()
     rest = sum(p.numel() * p.element_size() for n, p in block.named_parameters()
                if not n.startswith("experts."))
-    return int(ids.unique().numel()) * per_expert + rest
+    return int(ids.unique().numel()) * expert_bytes(experts) + rest
 
 
 def route(block, x):

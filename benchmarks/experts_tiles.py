@@ -21,6 +21,7 @@ from transformers.integrations import moe
 
 from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table
 from benchmarks.experts import SHAPES, moe_block, route
+from benchmarks.models import expert_bytes
 from torch_cp.graphs import fused_experts as fe
 from torch_cp.graphs import grouped_experts as ge
 
@@ -38,8 +39,7 @@ def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: 
                     dtype=torch.bfloat16).expand(tokens, -1).contiguous()
     with torch.inference_mode():
         _, weights, ids = route(block, x)
-    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 2
-    roof = ids.unique().numel() * per_expert / bandwidth * 1e3
+    roof = ids.unique().numel() * expert_bytes(experts) / bandwidth * 1e3
     call, tile = (ge.grouped_experts, ge.GroupedTiles) if grouped else (fe.fused_experts, fe.Tiles)
     want = moe.batched_mm_experts_forward(experts, x, ids, weights).float()
     case = dict(shape=shape, tokens=tokens, routing=routing, roofline_ms=roof)
