@@ -29,9 +29,7 @@ class StopStrings:
         if made is None or made[0] is not tokenizer:  # an id reused by another tokenizer
             from transformers.generation.stopping_criteria import StopStringCriteria
 
-            number = len(self._criteria)
-            while number in self._criteria:  # learned numbers may run ahead of this rank's
-                number += 1
+            number = max(self._criteria, default=-1) + 1  # past any learned from rank 0
             criterion = StopStringCriteria(tokenizer, list(strings))
             self._criteria[number] = self._unsent[number] = criterion
             made = self._numbers[key] = (tokenizer, number)
