@@ -176,13 +176,13 @@ def test_experts_scored_minus_inf_are_still_taken_once(groups, kept, top_k):
     """A bias of -inf (experts pruned) leaves only -inf to choose from at the last picks: each
     expert, and each group, is still taken at most once, as the router's own forward takes
     them."""
-    router = router_of(grouped_deepseek(8, groups, kept, top_k))
+    router = router_of(grouped_deepseek(8, groups, kept, top_k).to(DEVICE))
     with torch.no_grad():
         router.e_score_correction_bias.copy_(torch.tensor([0.0] * 4 + [float("-inf")] * 4))
-    x = torch.randn(3, router.hidden_dim, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, router.hidden_dim, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         _, own_w, own_ids = router(x)
-        _, w, ids = fr.fused_forward(router)(x.to(DEVICE))
+        _, w, ids = fr.fused_forward(router)(x)
     for row in range(3):
         assert len(set(ids[row].tolist())) == top_k, ids[row]
         assert set(ids[row].tolist()) >= set(range(4))  # the four experts with finite scores
@@ -194,12 +194,12 @@ def test_experts_scored_minus_inf_are_still_taken_once(groups, kept, top_k):
 
 
 def test_patched_model_routes_through_the_kernel(monkeypatch):
-    """``patch_model`` installs the kernel's forward on CUDA only; here it is made to take that
-    path on the CPU (the interpreter), and the tokens must not change."""
+    """``patch_model`` installs the kernel's forward on CUDA only; without CUDA it is made to
+    take that path on the CPU (the interpreter); the tokens must not change."""
     prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 19, 23, 1]]
-    reference = MOE_MODELS["qwen3_moe"](torch.float32)
-    want = [reference.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):]
-            .tolist() for p in prompts]
+    reference = MOE_MODELS["qwen3_moe"](torch.float32).to(DEVICE)
+    want = [reference.generate(torch.tensor([p], device=DEVICE), max_new_tokens=4,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts]
     monkeypatch.setattr(experts_module, "KERNEL_ROUTERS", True)
     real = experts_module.kernel_routers
     monkeypatch.setattr("torch_cp.hf.patch.kernel_routers",
@@ -207,7 +207,7 @@ def test_patched_model_routes_through_the_kernel(monkeypatch):
     calls = []
     route = fr.route
     monkeypatch.setattr(fr, "route", lambda *a: calls.append(1) or route(*a))
-    model = MOE_MODELS["qwen3_moe"](torch.float32)
+    model = MOE_MODELS["qwen3_moe"](torch.float32).to(DEVICE)
     router = router_of(model)
     torch_cp.patch_model(model)
     assert "forward" in router.__dict__
@@ -223,12 +223,12 @@ def test_gradients_and_autocast_take_the_routers_own_forward(name, monkeypatch):
     """The kernel's weights carry no gradient, and autocast rounds the sigmoid router's scores
     to bf16 before its choice: with a gradient wanted or under autocast the installed forward
     gives exactly the router's own results (and the router's weight its gradient)."""
-    router = router_of(FAMILIES[name](torch.float32))
+    router = router_of(FAMILIES[name](torch.float32).to(DEVICE))
     calls = []
     route = fr.route
     monkeypatch.setattr(fr, "route", lambda *a: calls.append(1) or route(*a))
     forward = fr.fused_forward(router)
-    x = torch.randn(5, router.hidden_dim, requires_grad=True)
+    x = torch.randn(5, router.hidden_dim, device=DEVICE, requires_grad=True)
     for a, b in zip(forward(x), router(x)):
         assert torch.equal(a, b)
     forward(x)[1].sum().backward()
@@ -236,7 +236,7 @@ def test_gradients_and_autocast_take_the_routers_own_forward(name, monkeypatch):
     router.weight.grad = None
     router(x)[1].sum().backward()
     assert torch.equal(router.weight.grad, want) and want.abs().sum() > 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
         for a, b in zip(forward(x), router(x)):
             assert torch.equal(a, b)
     assert not calls
