@@ -71,7 +71,7 @@ def best_ms(fn, device: torch.device, iters: int) -> float:
 @torch.inference_mode()
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3", choices=["qwen3", "mla"])
+    p.add_argument("--model", default="qwen3", choices=["qwen3", "mla", "qwen3_moe", "glm_flash"])
     p.add_argument("--batch", type=int, help="prompts (default 16; --smoke: 2)")
     p.add_argument("--prompt", type=int, help="tokens a prompt (default 4096; --smoke: 24)")
     p.add_argument("--iters", type=int, default=3)

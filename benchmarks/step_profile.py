@@ -83,7 +83,7 @@ def kernels(graph, device, steps: int = 3, top: int = 20) -> tuple[list[dict], f
     return rows[:top], total, calls
 
 
-def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48,
+def engine_gaps(engine, device, ids: list[int], context: int, new_tokens: int = 48,
                 trace: str | None = None) -> dict:
     """``engine.run`` with ``overlap_planning`` under torch.profiler: per decode step, the GPU's
     idle time (no kernel or copy running) and the host's CUDA runtime calls (ms per step; a
@@ -93,10 +93,10 @@ def engine_gaps(engine, device, batch: int, context: int, new_tokens: int = 48,
     the idle time is an upper bound; which calls wait is the finding."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
-    for row in range(batch):
+    for row in range(len(ids)):
         engine.allocator.release(row)
     engine.overlap_planning = True
-    prompts = [[1] * (context - new_tokens)] * batch  # the pool holds `context` tokens a row
+    prompts = [[i] * (context - new_tokens) for i in ids]  # the pool holds `context` tokens a row
     engine.run(prompts, 8, eos_token_ids=())
     walls = []
     for tokens in (8, new_tokens):  # unprofiled: the decode step of engine.run, by difference
@@ -151,6 +151,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out")
     p.add_argument("--trace", help="write the engine run's chrome trace here")
+    p.add_argument("--tokens", choices=("same", "distinct"), default="same",
+                   help="the rows' input tokens: one id for all (a MoE step routes every row to "
+                        "the same experts) or a different id a row (routing spread as in serving)")
     p.add_argument("--inductor", default="",
                    help="torch._inductor.config settings, 'name=value,...' (with --compile)")
     args = p.parse_args()
@@ -167,7 +170,8 @@ def main() -> None:
         assert engine.allocator.reserve(row, args.context + 1)
     tables = [engine.allocator.table_tensor(r) for r in range(args.batch)]
     rows = list(range(args.batch))
-    step = dict(ids=[1] * args.batch, q_lens=[1] * args.batch, ctx_lens=[args.context] * args.batch,
+    ids = [1 if args.tokens == "same" else 1 + 7919 * r % 30000 for r in range(args.batch)]
+    step = dict(ids=ids, q_lens=[1] * args.batch, ctx_lens=[args.context] * args.batch,
                 tables=tables, rows=rows)
     runner = engine.runner
     phases(runner, **step, iters=3)
@@ -178,11 +182,12 @@ def main() -> None:
     top, kernel_ms, calls = kernels(graph, device)
     step_ms = sum(host[k] for k in ("prepare", "launch", "wait", "token"))
     try:  # the measures above stand on their own
-        gaps = engine_gaps(engine, device, args.batch, args.context, trace=args.trace)
+        gaps = engine_gaps(engine, device, ids, args.context, trace=args.trace)
     except Exception as error:  # noqa: BLE001
         gaps = dict(error=repr(error))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
-               compiled=args.compile, inductor=inductor, setup_s=setup_s, host_phases_ms=host,
+               compiled=args.compile, tokens=args.tokens, inductor=inductor, setup_s=setup_s,
+               host_phases_ms=host,
                step_ms=step_ms, replay_only_ms=replay_ms, kernel_ms=kernel_ms,
                kernels_per_step=calls, engine_overlap=gaps, top_kernels=top)
     print(json.dumps({k: v for k, v in out.items() if k != "top_kernels"}, indent=1))

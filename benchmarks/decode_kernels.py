@@ -1,0 +1,116 @@
+"""FlashInfer's paged GQA decode kernels as a captured step runs them, side by side.
+
+    python -m benchmarks.decode_kernels --out benchmarks/results/decode_kernels.json
+
+torch_cp's captured decode steps plan FlashInfer's tensor-core decode with ``use_cuda_graph=True``,
+whose planner always splits the KV (so a merge kernel always follows) and caps the work items at
+two CTAs an SM. This times, replayed from a CUDA graph with the wrapper's fixed buffers, one
+layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInfer offers:
+
+- ``fa2``: the tensor-core path as torch_cp plans it today;
+- ``fa2_no_split``: the same with ``disable_split_kv=True`` (no merge, one CTA per row and head);
+- ``fa3``: the tensor-core path on FlashInfer's SM90 (FA3) prefill kernel;
+- ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes).
+
+Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
+another order). KV bytes over the time set against the copy bandwidth of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table
+
+PAGE = 16
+DTYPE = torch.bfloat16
+SHAPES = {"gqa": dict(q_heads=32, kv_heads=8, head_dim=128),   # Qwen3-8B layer
+          "gqa8": dict(q_heads=32, kv_heads=4, head_dim=128)}  # Qwen3-30B-A3B layer
+SIZES = ((1, 512), (1, 4096), (32, 512), (64, 512), (32, 4096), (64, 4096))
+VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores")
+
+
+def decode_variant(name: str, shape: dict, batch: int, ctx: int, kv: torch.Tensor,
+                   q: torch.Tensor, workspace: torch.Tensor):
+    """A planned graph-ready wrapper for ``name`` and the call that runs it."""
+    import flashinfer
+
+    device = q.device
+    per_row = -(-ctx // PAGE)
+    i32 = dict(dtype=torch.int32, device=device)
+    order = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(0))
+    indices = order.to(**i32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * per_row
+    last = torch.full((batch,), ctx - (per_row - 1) * PAGE, dtype=torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=name != "cuda_cores",
+        paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
+        paged_kv_indices_buffer=torch.zeros(batch * per_row, **i32),
+        paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
+        **({"backend": "fa3"} if name == "fa3" else {}))
+    extra = {"disable_split_kv": True} if name == "fa2_no_split" else {}
+    wrapper.plan(indptr, indices, last, shape["q_heads"], shape["kv_heads"], shape["head_dim"],
+                 PAGE, q_data_type=DTYPE, kv_data_type=DTYPE, **extra)
+    return lambda: wrapper.run(q, kv, return_lse=True)
+
+
+def run_case(shape: dict, batch: int, ctx: int, copy_bw: float, device) -> dict:
+    per_row = -(-ctx // PAGE)
+    kv = torch.empty(batch * per_row, 2, PAGE, shape["kv_heads"], shape["head_dim"], dtype=DTYPE,
+                     device=device).normal_()
+    q = torch.randn(batch, shape["q_heads"], shape["head_dim"], dtype=DTYPE, device=device)
+    kv_bytes = batch * ctx * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE.itemsize
+    rec = dict(batch=batch, ctx=ctx, kv_bytes=kv_bytes,
+               roofline_us=kv_bytes / copy_bw * 1e6, variants={})
+    want = None
+    for name in VARIANTS:
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+        try:
+            run = decode_variant(name, shape, batch, ctx, kv, q, workspace)
+            out, lse = run()
+            if want is None:
+                want = (out.clone(), lse.clone())
+            err = (out.float() - want[0].float()).abs().max().item()
+            lse_err = (lse - want[1]).abs().max().item()
+            us = graph_time_ms(run, device) * 1e3
+            rec["variants"][name] = dict(us=us, max_err=err, lse_err=lse_err,
+                                         ok=err <= 2e-2 and lse_err <= 1e-3)
+        except Exception as error:  # noqa: BLE001  (a variant FlashInfer refuses here)
+            rec["variants"][name] = dict(error=f"{type(error).__name__}: {str(error)[:200]}")
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="JSON results path")
+    ap.add_argument("--shapes", default="gqa,gqa8")
+    ap.add_argument("--sizes", default=None, help="batch x context cases, e.g. '1x512,32x512'")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    results = Results(args.out, run_header(device))
+    copy_bw = copy_bandwidth(device)
+    results.data["copy_tb_s"] = copy_bw / 1e12
+    sizes = ([tuple(map(int, c.split("x"))) for c in args.sizes.split(",")] if args.sizes
+             else SIZES)
+    rows = []
+    for shape_name in args.shapes.split(","):
+        for batch, ctx in sizes:
+            rec = results.add(shape=shape_name,
+                              **run_case(SHAPES[shape_name], batch, ctx, copy_bw, device))
+            row = {"shape": shape_name, "batch x ctx": f"{batch}x{ctx}",
+                   "roofline us": rec["roofline_us"]}
+            for name, v in rec["variants"].items():
+                row[f"{name} us"] = v.get("us")
+                row[f"{name} ok"] = v.get("ok", v.get("error", "")[:20])
+            rows.append(row)
+            print(row, flush=True)
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    print(table(rows, list(rows[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
