@@ -11,9 +11,10 @@ summed in float32. Nothing is sorted, nothing leaves the device, and a CUDA grap
 Registered as transformers' experts implementation ``"torch_cp_fused"``
 (``model.set_experts_implementation("torch_cp_fused")``): steps of at most ``MAX_PAIRS``
 (token, expert) pairs take the kernels, steps of at most ``MAX_GROUPED_PAIRS`` the kernels of
-``grouped_experts`` (each routed expert read once), larger steps (prefill) ``grouped_mm`` where
-a graph can hold it, else ``batched_mm``. Experts of other shapes (biases, transposed or interleaved
-weights, another activation, a post-expert norm, expert parallelism) always take the fallback.
+``grouped_experts`` (each routed expert read once), larger steps (prefill) ``sorted_experts``
+(``grouped_mm``'s GEMMs) where a graph can hold them, else transformers' ``batched_mm``. Experts
+of other shapes (biases, transposed or interleaved weights, another activation, a post-expert
+norm, expert parallelism) take transformers' ``grouped_mm`` or ``batched_mm``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from transformers.integrations import moe
 
 from torch_cp.graphs import grouped_experts as ge
 from torch_cp.graphs.experts import capturable
+from torch_cp.graphs.pair_sums import sum_pairs
+from torch_cp.graphs.sorted_experts import sorted_experts
 
 NAME = "torch_cp_fused"
 MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
@@ -130,22 +133,23 @@ def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Te
     _down[(pairs, triton.cdiv(hidden, t.rows))](
         h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
         down.stride(1), out_sd.stride(0), BN=t.rows, BK=t.cols, num_warps=t.warps)
-    return out_sd.view(tokens, top_k, hidden).sum(dim=1).to(x_td.dtype)
+    return sum_pairs(out_sd.view(tokens, top_k, hidden), x_td.dtype)
 
 
 def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-implementation signature: the pair kernels for a decode-sized step,
-    ``grouped_experts`` for a mid-sized one, else ``grouped_mm`` (``batched_mm`` where a CUDA
-    graph cannot hold it)."""
+    ``grouped_experts`` for a mid-sized one, else ``sorted_experts`` (transformers' ``grouped_mm``
+    for experts of another layout; ``batched_mm`` where a CUDA graph cannot hold those)."""
     pairs = top_k_index.numel()
     if pairs <= MAX_GROUPED_PAIRS and fits(self):
         kernels = fused_experts if pairs <= MAX_PAIRS else ge.grouped_experts
         return kernels(self, hidden_states, top_k_index, top_k_weights)
     w = self.down_proj
-    fallback = (moe.grouped_mm_experts_forward if capturable("grouped_mm", w.dtype, w.device)
-                else moe.batched_mm_experts_forward)
-    return fallback(self, hidden_states, top_k_index, top_k_weights)
+    if not capturable("grouped_mm", w.dtype, w.device):
+        return moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    grouped = sorted_experts if fits(self) else moe.grouped_mm_experts_forward
+    return grouped(self, hidden_states, top_k_index, top_k_weights)
 
 
 moe.ALL_EXPERTS_FUNCTIONS.register(NAME, fused_experts_forward)

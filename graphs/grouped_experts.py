@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_cp.graphs.pair_sums import sum_pairs
+
 
 @dataclass(frozen=True)
 class GroupedTiles:
@@ -202,4 +204,4 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
         h_si, down, slots, block_experts, weights, out_sd, hidden, inter, h_si.stride(0),
         down.stride(0), down.stride(1), out_sd.stride(0), BM=t.pairs, BN=t.rows, BK=t.cols,
         FP32_DOT=fp32_dot, num_warps=t.warps)
-    return out_sd.view(tokens, top_k, hidden).sum(dim=1).to(x_td.dtype)
+    return sum_pairs(out_sd.view(tokens, top_k, hidden), x_td.dtype)

@@ -19,7 +19,9 @@ naming the hook, when one moves.
   wrapped functions (``__wrapped__``). ``ACT2FN`` names the activations.
 - ``config._experts_implementation``: which experts forward a ``@use_experts_implementation``
   MoE block runs (``graphs/experts.py`` reads it, and sets it where ``set_experts_implementation``
-  does not reach).
+  does not reach). ``transformers.integrations.moe._grouped_linear``: the grouped GEMM of its
+  ``grouped_mm`` experts (``torch._grouped_mm``, or its fallback where that cannot run), which
+  ``graphs/sorted_experts.py`` runs with its own combine.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+
+# Imported here, not where it is called: Dynamo (torch 2.11) cannot trace an import statement
+# whose package is transformers' lazy module ("Bad import result", run 79).
+from transformers.integrations import moe as transformers_moe
 
 all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 all_to_all_single = funcol.all_to_all_single
@@ -139,6 +145,13 @@ def set_experts_implementation(model: nn.Module, experts: list[nn.Module], name:
     model.set_experts_implementation(name)
     for e in experts:
         e.config._experts_implementation = name
+
+
+def grouped_linear(x_sd: torch.Tensor, weight_eod: torch.Tensor, offsets: torch.Tensor
+                   ) -> torch.Tensor:
+    """[S, O]: rows of ``x_sd`` [S, D], sorted by expert and ending at ``offsets`` [E] (int32,
+    cumulative), each times its expert's ``weight_eod`` [E, O, D] transposed."""
+    return transformers_moe._grouped_linear(x_sd, weight_eod, offsets)
 
 
 def torch_gated_delta_rules() -> tuple[Callable, Callable]:

@@ -11,9 +11,12 @@ Triton's interpreter (tests/conftest.py).
 - ``grouped_experts``' kernels (each routed expert read once, up to 16 of its pairs a tile) the
   same, with experts routed more pairs than one tile holds, at sizes no tile divides, and with
   bf16 tokens to fp32 experts; tiles Triton cannot make are refused.
+- ``sorted_experts`` (``grouped_mm``'s GEMMs, torch_cp's combine) the same: equal to
+  ``batched_mm`` in fp32, as exact in bf16.
 - The implementation takes the kernels for at most ``MAX_PAIRS`` (token, expert) pairs,
-  ``grouped_experts`` for at most ``MAX_GROUPED_PAIRS``, and ``grouped_mm`` above (bit for bit
-  its output), and experts the kernels cannot read (a bias) always take the fallback.
+  ``grouped_experts`` for at most ``MAX_GROUPED_PAIRS``, and ``sorted_experts`` above (bit for
+  bit its output); experts the kernels cannot read (a bias) always take transformers'
+  ``grouped_mm`` (bit for bit).
 - A patched tiny Qwen3-MoE set to ``"torch_cp_fused"`` generates the unpatched model's tokens
   through the engine, its decode steps through either kernels.
 - GPU: every MoE family on it, captured and compiled, gives the reference backend's tokens up
@@ -38,6 +41,7 @@ from transformers.integrations import moe  # noqa: E402
 
 from torch_cp.graphs import fused_experts as fe  # noqa: E402
 from torch_cp.graphs import grouped_experts as ge  # noqa: E402
+from torch_cp.graphs import sorted_experts as se  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,7 +71,8 @@ def experts_of(name: str, dtype):
 # (kernels, tokens): 40 tokens of top 2 over 8 experts give some expert 18 pairs, more than the
 # grouped kernels' tile of 16.
 KERNELS = [pytest.param(fe.fused_experts, 3, id="pairs"),
-           pytest.param(ge.grouped_experts, 40, id="grouped")]
+           pytest.param(ge.grouped_experts, 40, id="grouped"),
+           pytest.param(se.sorted_experts, 40, id="sorted")]
 
 
 @pytest.mark.parametrize("kernels, tokens", KERNELS)
@@ -81,6 +86,16 @@ def test_fp32_kernels_equal_batched_mm(name, kernels, tokens):
     torch.testing.assert_close(kernels(experts, *args),
                                moe.batched_mm_experts_forward(experts, *args),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_sorted_experts_trace_whole():
+    """Compiled layers trace the experts with fullgraph: the prefill-sized path has no graph
+    break (Dynamo running its code gives the same output)."""
+    experts = experts_of("qwen3_moe", torch.float32)
+    args = routed(40, torch.float32)
+    torch._dynamo.reset()
+    traced = torch.compile(se.sorted_experts, fullgraph=True, backend="eager")
+    assert torch.equal(traced(experts, *args), se.sorted_experts(experts, *args))
 
 
 def odd_experts(hidden: int, inter: int, dtype=torch.float32):
@@ -196,9 +211,9 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypa
     got = fe.fused_experts_forward(experts, *large)
     assert len(calls) == 3, "more pairs than MAX_GROUPED_PAIRS take the fallback"
     assert capturable("grouped_mm", torch.float32, torch.device(DEVICE)) or DEVICE == "cuda"
-    want = (moe.grouped_mm_experts_forward if capturable("grouped_mm", torch.float32,
-                                                        torch.device(DEVICE))
-            else moe.batched_mm_experts_forward)(experts, *large)
+    on_grouped_mm = capturable("grouped_mm", torch.float32, torch.device(DEVICE))
+    want = (se.sorted_experts if on_grouped_mm else moe.batched_mm_experts_forward)(experts,
+                                                                                    *large)
     assert torch.equal(got, want)
     experts.has_bias = True  # a layout the kernels do not read (zero biases: the same output)
     experts.gate_up_proj_bias = torch.zeros(experts.gate_up_proj.shape[:2], device=DEVICE)
@@ -207,6 +222,9 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypa
     fe.fused_experts_forward(experts, *small)
     fe.fused_experts_forward(experts, *middle)
     assert len(calls) == 3
+    want = (moe.grouped_mm_experts_forward if on_grouped_mm
+            else moe.batched_mm_experts_forward)(experts, *large)
+    assert torch.equal(fe.fused_experts_forward(experts, *large), want)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU models through Triton's interpreter; on the GPU "

@@ -100,3 +100,12 @@ def test_eager_gloo_collectives_take_the_classic_path(one_rank_world, monkeypatc
     assert torch.equal(compat.all_to_all_dim0(x, group), x)
     total = compat.sum_over(x, group)
     assert torch.equal(total, x) and total.data_ptr() != x.data_ptr()
+
+
+def test_grouped_linear_multiplies_each_experts_rows_by_its_weight():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, generator=g)  # grouped_mm wants strides of 16-byte multiples
+    weight = torch.randn(3, 4, 8, generator=g)  # [experts, out, in]
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32)  # rows 0-1 expert 0, 2-4 expert 2
+    want = torch.cat((x[:2] @ weight[0].T, x[2:] @ weight[2].T))
+    torch.testing.assert_close(compat.grouped_linear(x, weight, offsets), want)
