@@ -6,8 +6,8 @@ tokens (2 MB, run 77), and 45 ms of a 256 ms Qwen3-30B-A3B prefill of 32 x 512 t
 transformers' ``grouped_mm`` combine (run 78). Traced (compiled layers), the sum is k - 1 adds of
 [T, H] slices in float32, which Inductor makes one pointwise kernel (with the gather before it and
 the residual add after it), reading each row whole. Eagerly a reduction is one kernel against
-2k - 1: there it stays a reduction, with the weights multiplied in the pairs' dtype first, as
-transformers does (no float32 copy of all the pairs).
+2k - 1: there it stays a reduction, the weights multiplied first in the dtype torch promotes the
+pairs and weights to, as transformers does (bf16 pairs and weights: no float32 copy of them).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def sum_pairs(out_tkh: torch.Tensor, dtype: torch.dtype,
     given, summed over k in float32 (traced, the weighted pairs in float32 too)."""
     if not torch.compiler.is_compiling():
         if weights_tk is not None:
-            out_tkh = out_tkh * weights_tk.to(out_tkh.dtype)[..., None]
+            out_tkh = out_tkh * weights_tk[..., None]  # promoted as transformers' product
         return out_tkh.sum(dim=1, dtype=torch.float32).to(dtype)
     total = None
     for j in range(out_tkh.shape[1]):

@@ -1,6 +1,6 @@
 """``pair_sums.sum_pairs``: a token's k pair outputs summed in float32 and rounded once. Traced
 (k - 1 adds, so that Inductor makes one pointwise kernel of it) bit for bit the float32 sum in
-order, weights multiplied in float32; eagerly (one reduction, weights multiplied in the pairs'
+order, weights multiplied in float32; eagerly (one reduction, weights multiplied in the promoted
 dtype as transformers does) within one rounding of the pairs' dtype of it."""
 
 from __future__ import annotations
