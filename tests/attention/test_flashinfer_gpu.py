@@ -97,12 +97,17 @@ def test_a_large_gqa_group_plans_within_its_workspace(size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("own_tokens", ["torch", "flashinfer"])
+@pytest.mark.parametrize("own_tokens", ["torch", "flashinfer", "auto"])
 @pytest.mark.parametrize("heads", [16, 20])
-def test_mla_own_token_paths(heads, own_tokens):
-    """20 heads: FlashInfer 0.7.2 cannot plan causal MLA exactly, "auto" takes torch."""
-    if heads == 20 and own_tokens == "flashinfer":
-        own_tokens = "auto"
+def test_mla_own_token_paths(heads, own_tokens, monkeypatch):
+    """20 heads: FlashInfer 0.7.2 cannot plan causal MLA exactly; "flashinfer" pads them to 32
+    (zero queries), "auto" takes torch. "flashinfer" never takes torch here."""
+    from torch_cp.attention import flashinfer_mla
+
+    if own_tokens == "flashinfer":
+        def refused(*args, **kwargs):
+            raise AssertionError("the own tokens took torch")
+        monkeypatch.setattr(flashinfer_mla, "dense_own_mla", refused)
     shape = Shape("mla", heads, 1, 576, 512, 64)
     inputs = make_inputs(shape, MIXED, torch.bfloat16, "cuda", seed=heads)
     got = run_placed(flashinfer_backend(own_tokens=own_tokens), shape, 2, "sp", MIXED, inputs)
@@ -171,7 +176,7 @@ def test_mla_work_items_bound_flashinfer_planner():
     """The query-length bound is >= FlashInfer's own count for any KV lengths, within clusters."""
     from flashinfer.mla._batch_mla._backends._fa_common import _fa_plan_work_count
 
-    from torch_cp.attention.flashinfer_mla import mla_work_items
+    from torch_cp.attention.mla_planner import mla_work_items
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
@@ -196,7 +201,7 @@ def test_mla_work_items_bound_flashinfer_planner():
 
 @pytest.mark.gpu
 def test_mla_step_past_the_cap_is_refused_before_planning():
-    from torch_cp.attention.flashinfer_mla import FA_MAX_WORK_ITEMS, PlannerCapExceeded
+    from torch_cp.attention.mla_planner import FA_MAX_WORK_ITEMS, PlannerCapExceeded
     from torch_cp.plan import build_step_plan
 
     backend = flashinfer_backend()(_mla_geometry(128))

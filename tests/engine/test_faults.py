@@ -317,7 +317,7 @@ def test_mixed_buckets_the_mla_planner_refuses_are_named_before_allocation(model
     8,192 tokens, or 16 heads, fit. The backend is asked before anything is allocated."""
     from types import SimpleNamespace
 
-    from torch_cp.attention.flashinfer_mla import mixed_bucket_problems
+    from torch_cp.attention.mla_planner import mixed_bucket_problems
 
     assert mixed_bucket_problems([(4, 8192)], 128, 132) == []
     assert mixed_bucket_problems([(4, 16384)], 16, 132) == []

@@ -7,11 +7,9 @@ written first). A multi-token step's own tokens run through a second MLA wrapper
 page-size-1 view of the step's own ``ckv``/``kpe`` (page i is token i: zero copies, prebuilt
 kernels, FA3 on Hopper). Where FlashInfer 0.7.2's causal MLA kernels would drop a key (its query
 tile is not a multiple of the head count, e.g. 20 heads) the own tokens fall back to a chunked
-dense torch kernel. Padding: see ``flashinfer_common``.
-
-FlashInfer's FA MLA planner refuses more than 16384 work items. ``mla_work_items`` bounds the
-count from query lengths alone, so every partner refuses the same step before planning
-(``PlannerCapExceeded``) and the engine can retry it smaller.
+dense torch kernel, or with ``own_tokens="flashinfer"`` run with the heads padded by zero queries
+to the next power of two, which divides the tile. Padding: see ``flashinfer_common``; what the
+planner accepts: ``mla_planner``.
 """
 
 from __future__ import annotations
@@ -29,81 +27,16 @@ from torch_cp.attention.flashinfer_common import (
     staged,
     with_token_padding_row,
 )
+from torch_cp.attention.mla_planner import (
+    causal_mla_on_flashinfer,
+    check_mla_work_items,
+    mixed_bucket_problems,
+    own_token_heads,
+)
 from torch_cp.attention.partial import Partial
-from torch_cp.plan import Bucket, StepPlan, StepRefused
+from torch_cp.plan import Bucket, StepPlan
 
-FA_MAX_WORK_ITEMS = 16384
 LN2 = math.log(2.0)
-
-
-class PlannerCapExceeded(StepRefused, ValueError):
-    """A step needs more MLA planner work items than FlashInfer accepts; the engine retries it
-    smaller (a ``StepRefused``: fewer prefill tokens first, then fewer rows)."""
-
-    def __init__(self, work_items: int, cap: int, num_rows: int, num_heads: int):
-        super().__init__(f"MLA step of {num_rows} rows x {num_heads} heads needs up to "
-                         f"{work_items} planner work items; FlashInfer's cap is {cap} "
-                         f"(torch_cp.generate retries such a step smaller by itself; with "
-                         f"model.generate, prefill in chunks: prefill_chunk_size=...)")
-        self.work_items = work_items
-        self.cap = cap
-        self.num_rows = num_rows
-        self.num_heads = num_heads
-
-
-def _query_tile(q_lens: Sequence[int], num_heads: int) -> int:
-    """FA MLA query tile: 64 rows, or 128 (a 2-CTA cluster) when the mean ``q * H`` > 64."""
-    return 128 if sum(q_lens) * num_heads // max(len(q_lens), 1) > 64 else 64
-
-
-def mla_work_items(q_lens: Sequence[int], num_heads: int, num_sms: int) -> int:
-    """Upper bound of FlashInfer 0.7.2's FA MLA planner work items, from query lengths alone.
-
-    The planner makes ``ceil(q * H / tile)`` query tiles per row and splits each tile's KV at a
-    limit no smaller than the mean KV per cluster, so the splits add at most ``clusters =
-    num_sms // cluster_size`` items to one item per tile, whatever the KV lengths are (which
-    differ between partners). The bound is within ``clusters`` of the planner's count.
-
-    Args:
-        q_lens: query tokens of every planned row (padding rows and the token-padding row too).
-        num_heads: query heads the kernel sees (``context_q_heads`` for the context).
-        num_sms: streaming multiprocessors of the device.
-    """
-    if not q_lens:
-        return 0
-    tile = _query_tile(q_lens, num_heads)
-    tiles = sum((q * num_heads + tile - 1) // tile for q in q_lens)
-    return tiles + num_sms // (tile // 64)
-
-
-def check_mla_work_items(q_lens: Sequence[int], num_heads: int, num_sms: int,
-                         num_rows: int | None = None) -> int:
-    """Raise ``PlannerCapExceeded`` when ``mla_work_items`` exceeds the cap; else return it."""
-    items = mla_work_items(q_lens, num_heads, num_sms)
-    if items > FA_MAX_WORK_ITEMS:
-        raise PlannerCapExceeded(items, FA_MAX_WORK_ITEMS,
-                                 len(q_lens) if num_rows is None else num_rows, num_heads)
-    return items
-
-
-def mixed_bucket_problems(shapes: Sequence[tuple[int, int]], num_heads: int,
-                          num_sms: int) -> list[str]:
-    """The mixed buckets (rows, tokens) whose steps the MLA planner always refuses: a capture
-    step's tokens are all padding, in one row past the bucket's rows, and any step replayed in
-    the bucket is padded to its tokens, so none fits under the cap."""
-    problems = []
-    for rows, tokens in shapes:
-        items = mla_work_items([0] * rows + [tokens], num_heads, num_sms)
-        if items > FA_MAX_WORK_ITEMS:
-            problems.append(f"mixed bucket ({rows}, {tokens}): an MLA step of {tokens} tokens x "
-                            f"{num_heads} heads needs up to {items} FlashInfer planner work "
-                            f"items, over its cap of {FA_MAX_WORK_ITEMS}: capture fewer tokens")
-    return problems
-
-
-def causal_mla_on_flashinfer(q_lens: Sequence[int], num_heads: int) -> bool:
-    """FlashInfer 0.7.2 plans causal MLA exactly only when the query tile is a multiple of H."""
-    return _query_tile(q_lens, num_heads) % num_heads == 0
 
 
 def dense_own_mla(q: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, real: torch.Tensor,
@@ -157,7 +90,8 @@ class FlashInferMLABackend(FlashInferBackend):
         dtype: query and pool dtype.
         fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
         own_tokens: ``"auto"`` (FlashInfer where it plans causal MLA exactly, else torch),
-            ``"flashinfer"`` or ``"torch"``.
+            ``"flashinfer"`` (also where it does not: heads padded, ``own_token_heads``; torch
+            where padding does not make it exact either) or ``"torch"``.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
@@ -183,8 +117,13 @@ class FlashInferMLABackend(FlashInferBackend):
         return _MLAKernels(self, bucket)
 
     def mixed_bucket_problems(self, shapes: Sequence[tuple[int, int]]) -> list[str]:
-        """``mixed_bucket_problems`` for this backend (``Engine`` asks before allocating)."""
-        return mixed_bucket_problems(shapes, self.geometry.context_q_heads, self.num_sms)
+        """``mixed_bucket_problems`` for this backend (``Engine`` asks before allocating), for
+        the context's heads and the own tokens' (padded where ``own_tokens="flashinfer"``)."""
+        g = self.geometry
+        own = g.q_heads
+        if self.own_tokens == "flashinfer":
+            own = max(own, 1 << (own - 1).bit_length())
+        return mixed_bucket_problems(shapes, max(g.context_q_heads, own), self.num_sms)
 
 
 class _MLAKernels:
@@ -205,7 +144,7 @@ class _MLAKernels:
             for name in ("decode", "context", "own")}
         self._fences = {name: PlanFence(backend.device) for name in self._wrappers}
         self._is_decode = True
-        self._own_on_flashinfer = False
+        self._own_heads: int | None = None  # the own tokens' heads on FlashInfer; None: torch
         self._real: torch.Tensor | None = None  # [N] tokens of real rows
         self._padding: torch.Tensor | None = None  # [N, 1] the others
         self._token_row: torch.Tensor | None = None  # [N] plan.token_row
@@ -235,18 +174,20 @@ class _MLAKernels:
         q_lens_t = (qo[1:] - qo[:-1]).to(torch.int32)
         q_lens = q_lens_t.tolist()
         check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
-        own = not plan.is_decode and (
-            self.own_tokens == "flashinfer"
-            or (self.own_tokens == "auto" and causal_mla_on_flashinfer(q_lens, g.q_heads)))
-        if own:
-            check_mla_work_items(q_lens, g.q_heads, self.num_sms, plan.num_rows)
+        own_heads = None
+        if not plan.is_decode and self.own_tokens == "flashinfer":
+            own_heads = own_token_heads(q_lens, g.q_heads)
+        elif not plan.is_decode and self.own_tokens == "auto":
+            own_heads = g.q_heads if causal_mla_on_flashinfer(q_lens, g.q_heads) else None
+        if own_heads:
+            check_mla_work_items(q_lens, own_heads, self.num_sms, plan.num_rows)
         name = "decode" if plan.is_decode else "context"
         self._plan_wrapper(name, qo, ctx.indptr, ctx.indices, ctx.lens, g.context_q_heads,
                            plan.local_page_size, causal=False)
-        if own:
+        if own_heads:
             tokens = torch.arange(int(qo[-1]), dtype=torch.int32)
-            self._plan_wrapper("own", qo, qo, tokens, q_lens_t, g.q_heads, 1, causal=True)
-        self._own_on_flashinfer = own
+            self._plan_wrapper("own", qo, qo, tokens, q_lens_t, own_heads, 1, causal=True)
+        self._own_heads = own_heads
         if not plan.is_decode:  # in place: captured kernels keep reading these tensors
             self._real = staged(self._real, real_token_mask(plan))
             self._padding = staged(self._padding, ~self._real.unsqueeze(-1))
@@ -271,14 +212,17 @@ class _MLAKernels:
     def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
         """q [N, q_heads, R + rope] over own tokens, causally; k = ckv [N, R], v = kpe [N, rope]."""
         assert not self._is_decode, "run_own() needs a planned multi-token step"
-        if not self._own_on_flashinfer:
+        if self._own_heads is None:
             return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale,
                                  bounds=self._bounds)
         ckv = k.masked_fill(self._padding, 0).unsqueeze(1)  # [N, 1, R]: page i holds token i
         kpe = v.masked_fill(self._padding, 0).unsqueeze(1)
+        heads = q.shape[1]
+        if self._own_heads > heads:  # zero queries in the extra heads
+            q = torch.nn.functional.pad(q, (0, 0, 0, self._own_heads - heads))
         out, lse = self._wrappers["own"].run(query=self._split(q), kv_cache=(ckv, kpe),
                                              return_lse=True)
-        return Partial(out, lse)
+        return Partial(out[:, :heads], lse[:, :heads])
 
 
 def _graph_buffers(bucket: Bucket, device: torch.device) -> dict:
