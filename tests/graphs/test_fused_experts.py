@@ -189,7 +189,8 @@ def test_bf16_kernels_are_as_exact_as_batched_mm(kernels, tokens):
     assert (got - exact).abs().max() <= 2**-7 * scale
 
 
-def test_decode_sized_steps_take_the_kernels_and_larger_ones_grouped_mm(monkeypatch, few_programs):
+def test_decode_sized_steps_take_the_kernels_and_larger_ones_sorted_experts(monkeypatch,
+                                                                          few_programs):
     experts = experts_of("qwen3_moe", torch.float32)
     monkeypatch.setattr(fe, "MAX_GROUPED_PAIRS", 2 * fe.MAX_PAIRS)  # fewer steps interpreted
     calls = []
