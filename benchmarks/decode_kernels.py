@@ -10,7 +10,9 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
 - ``fa2``: the tensor-core path as torch_cp plans it today;
 - ``fa2_no_split``: the same with ``disable_split_kv=True`` (no merge, one CTA per row and head);
 - ``fa3``: the tensor-core path on FlashInfer's SM90 (FA3) prefill kernel;
-- ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes).
+- ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes);
+- ``triton``: torch_cp's split Triton kernels (``torch_cp/attention/triton_decode.py``), split as
+  a captured step splits them.
 
 Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
 another order). KV bytes over the time set against the copy bandwidth of the same run.
@@ -29,7 +31,7 @@ DTYPE = torch.bfloat16
 SHAPES = {"gqa": dict(q_heads=32, kv_heads=8, head_dim=128),   # Qwen3-8B layer
           "gqa8": dict(q_heads=32, kv_heads=4, head_dim=128)}  # Qwen3-30B-A3B layer
 SIZES = ((1, 512), (1, 4096), (32, 512), (64, 512), (32, 4096), (64, 4096))
-VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores")
+VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores", "triton")
 
 
 def decode_variant(name: str, shape: dict, batch: int, ctx: int, kv: torch.Tensor,
@@ -42,6 +44,16 @@ def decode_variant(name: str, shape: dict, batch: int, ctx: int, kv: torch.Tenso
     i32 = dict(dtype=torch.int32, device=device)
     order = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(0))
     indices = order.to(**i32)
+    if name == "triton":
+        from torch_cp.attention import triton_decode
+
+        table = indices.view(batch, per_row)
+        lens = torch.full((batch,), ctx, **i32)
+        rows = torch.arange(batch, device=device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = triton_decode.splits_for(batch, shape["kv_heads"], ctx, sms)
+        scale = shape["head_dim"] ** -0.5
+        return lambda: triton_decode.decode(q, kv, table, lens, rows, scale, splits)
     indptr = torch.arange(batch + 1, dtype=torch.int32) * per_row
     last = torch.full((batch,), ctx - (per_row - 1) * PAGE, dtype=torch.int32)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -83,6 +83,19 @@ def test_gqa_decode_both_kernels(tensor_cores):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("shape,mode", CASES[:2], ids=CASE_IDS[:2])
+def test_gqa_decode_on_the_triton_kernels(shape, mode, size):
+    """``decode_kernel="triton"`` (attention/triton_decode.py): the reference's partials, placed
+    and merged, at P = 1, 2, 4 in both modes."""
+    shape = tp_shape(shape, size) if mode == "tp" else shape
+    inputs = make_inputs(shape, DECODE, torch.bfloat16, "cuda", seed=size)
+    got = run_placed(flashinfer_backend(decode_kernel="triton"), shape, size, mode, DECODE,
+                     inputs)
+    assert_close_real(got.merged, reference(shape, DECODE, inputs), inputs.num_tokens)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("size", [1, 2])
 def test_a_large_gqa_group_plans_within_its_workspace(size):
     """GLM-4-32B's attention (48 query heads over 2 KV heads, group 24): split-KV scratch for

@@ -55,6 +55,24 @@ def test_flashinfer_with_graphs_matches_the_reference_backend(name):
     assert ahead.launched_ahead_steps >= NEW_TOKENS // 2
 
 
+def test_triton_decode_replayed_gives_the_reference_backends_tokens(monkeypatch):
+    """Decode steps through torch_cp's Triton kernels (``decode_kernel="triton"``), captured and
+    replayed, and launched ahead: the torch reference backend's tokens."""
+    from torch_cp.attention import flashinfer_gqa, triton_decode
+
+    reference = torch_cp.patch_model(qwen3().cuda(), backend="torch")
+    expected = tokens(torch_cp.generate(reference, prompts(), NEW_TOKENS, progress=False))
+    monkeypatch.setattr(flashinfer_gqa, "DECODE_KERNEL", "triton")
+    calls = []
+    decode = triton_decode.decode
+    monkeypatch.setattr(triton_decode, "decode", lambda *a: calls.append(1) or decode(*a))
+    fast = torch_cp.patch_model(qwen3().cuda(), backend="flashinfer")
+    engine = torch_cp.Engine(fast, num_pages=64, page_size=16, cuda_graphs=True,
+                             max_pages_per_row=8, overlap_planning=True)
+    assert tokens(engine.run(prompts(), NEW_TOKENS)) == expected
+    assert engine.replayed_steps >= NEW_TOKENS - 2 and calls
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_compiled_engine_gives_the_uncompiled_engines_tokens(name):
     """The fastest configuration (compiled layers, CUDA graphs, steps launched ahead) against the

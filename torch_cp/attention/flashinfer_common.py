@@ -101,6 +101,7 @@ class FlashInferBackend:
         self.dtype = dtype
         sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                if self.device.type == "cuda" else 1)
+        self.num_sms = sms
         self.workspace = torch.zeros(workspace_bytes(geometry, sms), dtype=torch.uint8,
                                      device=self.device)
         self._kernels = {None: self.make_kernels(None)}

@@ -1,7 +1,8 @@
 """FlashInfer partial attention over a placed GQA pool (paged decode, paged + ragged prefill).
 
 A decode step attends the pool only (the new token is written first), through
-``BatchDecodeWithPagedKVCacheWrapper``. Any other step attends the cached context through
+``BatchDecodeWithPagedKVCacheWrapper`` (or, with ``decode_kernel="triton"``, torch_cp's split
+Triton kernels, ``triton_decode``). Any other step attends the cached context through
 ``BatchPrefillWithPagedKVCacheWrapper`` (non-causal, context-only lengths) and its own tokens
 through ``BatchPrefillWithRaggedKVCacheWrapper`` (causal, ``qo_indptr == kv_indptr``); the module
 merges the two partials. Every kernel returns base-2 LSE; empty rows give out 0 and lse -inf.
@@ -28,6 +29,10 @@ CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's decode dispatch
 # Tensor-core decode from this GQA group size up: on an H200 it reaches the copy roofline at
 # every group, CUDA cores only at groups 1-2 (docs/gpu-runs.md).
 TENSOR_CORE_MIN_GROUP = 4
+# Decode steps' kernel: FlashInfer's, or torch_cp's split Triton kernels ("triton",
+# triton_decode.py: written to beat FlashInfer's graph-mode decode at short contexts, run 78;
+# not yet run on the GPU, so not the default).
+DECODE_KERNEL = "flashinfer"
 
 
 def use_tensor_core_decode(group_size: int) -> bool:
@@ -43,11 +48,22 @@ class FlashInferGQABackend(FlashInferBackend):
         device: a CUDA device.
         dtype: query and pool dtype (bf16 or fp16; only bf16 kernels are prebuilt here).
         decode_tensor_cores: force the decode path; ``None`` decides from the context GQA group.
+        decode_kernel: ``"flashinfer"`` or ``"triton"`` (``triton_decode``) for decode steps;
+            ``None``: ``DECODE_KERNEL``.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
-                 dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool | None = None):
+                 dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool | None = None,
+                 decode_kernel: str | None = None):
         problems = []
+        decode_kernel = decode_kernel or DECODE_KERNEL
+        if decode_kernel not in ("flashinfer", "triton"):
+            problems.append(f"decode_kernel must be 'flashinfer' or 'triton', got "
+                            f"{decode_kernel!r}")
+        elif decode_kernel == "triton" and not _triton_decode_takes(geometry):
+            problems.append(f"decode_kernel='triton' takes head_dim a power of two from 16 to "
+                            f"256 and GQA groups up to 64, not head_dim {geometry.head_dim}, "
+                            f"group {geometry.context_q_heads // max(geometry.kv_heads, 1)}")
         if geometry.kind != "gqa":
             problems.append(f"geometry kind is {geometry.kind!r}, not 'gqa'")
         if geometry.head_dim != geometry.head_dim_v:
@@ -62,6 +78,7 @@ class FlashInferGQABackend(FlashInferBackend):
             raise ValueError("FlashInferGQABackend: " + "; ".join(problems))
         self.decode_tensor_cores = (use_tensor_core_decode(group) if decode_tensor_cores is None
                                     else decode_tensor_cores)
+        self.decode_kernel = decode_kernel
         super().__init__(geometry, device, dtype)
 
     def make_kernels(self, bucket: Bucket | None) -> _GQAKernels:
@@ -87,6 +104,13 @@ class _GQAKernels:
         self._fences = {name: PlanFence(backend.device) for name in ("decode", "context", "own")}
         self._is_decode = True
         self._padding: torch.Tensor | None = None  # [N, 1, 1] tokens of no real row
+        self._triton_decode = None
+        if backend.decode_kernel == "triton":
+            from torch_cp.attention import triton_decode
+
+            self._triton_decode = triton_decode
+        self._num_sms = backend.num_sms
+        self._plan: StepPlan | None = None  # a Triton decode step's plan (device tensors)
 
     def plan(self, plan: StepPlan) -> None:
         """Plan the step's wrappers from host indptrs (no device sync)."""
@@ -96,7 +120,9 @@ class _GQAKernels:
         # them (pinned, so their copies do not wait).
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
-        if plan.is_decode:
+        if plan.is_decode and self._triton_decode:
+            self._plan = plan  # the kernels read its device tables, which a capture keeps
+        elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
             self._decode.plan(ctx.indptr, indices, ctx.last_page_len, g.context_q_heads,
@@ -119,6 +145,12 @@ class _GQAKernels:
     def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
                     ) -> Partial:
         """q [N, context_q_heads, head_dim] over this partner's slots -> Partial [N, H, D]."""
+        if self._is_decode and self._triton_decode:
+            td, ctx, kv = self._triton_decode, self._plan.context, caches[0][layer_idx]
+            splits = td.splits_for(q.shape[0], kv.shape[3], ctx.table.shape[1] * kv.shape[2],
+                                   self._num_sms)
+            return Partial(*td.decode(q, kv, ctx.table, ctx.lens, self._plan.token_row,
+                                      self.geometry.scale, splits))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
         return Partial(out, lse)
@@ -131,6 +163,15 @@ class _GQAKernels:
         # v may be a view of the fused q/k/v GEMM's output (fused_linear.py).
         out, lse = self._own.run(q.contiguous(), k.contiguous(), v.contiguous(), return_lse=True)
         return Partial(out, lse)
+
+
+def _triton_decode_takes(geometry: AttentionGeometry) -> bool:
+    try:
+        from torch_cp.attention import triton_decode
+    except ImportError:  # no Triton
+        return False
+    return triton_decode.supported(geometry.head_dim,
+                                   geometry.context_q_heads // max(geometry.kv_heads, 1))
 
 
 def _graph_buffers(bucket: Bucket, device: torch.device) -> dict:

@@ -1,0 +1,76 @@
+"""torch_cp's Triton paged decode (attention/triton_decode.py) against the torch reference's
+dense attention (``torch_ref.dense_partial``), in Triton's interpreter on the CPU.
+
+fp32 pool and queries: the kernels multiply in fp32 there, so outputs within 1e-5 and base-2 LSE
+within 1e-5 of the reference (float32 sums in another order, over up to 300 keys). Rows with no
+context, rows shorter than a block, longer than a split, a padding token (row -1); NaN in the
+sink page and in every slot past a row's length never reaches a real token; one split (the
+result written directly) and several (merged). GPU: the GPU test of the FlashInfer backend with
+``decode_kernel="triton"``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_cp.attention.torch_ref import dense_partial
+
+pytest.importorskip("triton", reason="the kernels are Triton (CPU: its interpreter)")
+from torch_cp.attention import triton_decode as td  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE, KV_HEADS, GROUP, DIM = 8, 2, 3, 16
+LENS = [0, 1, 70, 300, 9]
+
+
+def pool_and_tables(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // PAGE) for n in lens) + 1
+    pages = len(lens) * width + 1  # the last page is the sink
+    kv = torch.randn(pages, 2, PAGE, KV_HEADS, DIM, generator=g)
+    order = torch.randperm(pages - 1, generator=g).view(len(lens), width)
+    table = torch.full((len(lens), width), pages - 1, dtype=torch.int32)
+    for row, n in enumerate(lens):
+        used = -(-n // PAGE)
+        table[row, :used] = order[row, :used].int()
+        for slot in range(n, used * PAGE):  # past the row's length in its last page
+            kv[table[row, used - 1], :, slot % PAGE] = float("nan")
+    kv[pages - 1] = float("nan")
+    return kv, table
+
+
+def reference(q, kv, table, lens, token_row, scale):
+    rows, width = table.shape
+    cache = kv[table.long()]  # [B, W, 2, page, Hkv, D]
+    k = cache[:, :, 0].reshape(rows, width * PAGE, KV_HEADS, DIM)
+    v = cache[:, :, 1].reshape(rows, width * PAGE, KV_HEADS, DIM)
+    slot = torch.arange(width * PAGE)
+    length = torch.tensor(lens)[token_row.clamp(min=0)]
+    mask = (slot[None, :] < length[:, None]) & (token_row[:, None] >= 0)
+    return dense_partial(q, k, v, mask, scale, key_batch=token_row)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_equals_dense_attention(splits):
+    kv, table = pool_and_tables(LENS)
+    token_row = torch.tensor([0, 1, 2, 3, 4, -1])  # a padding token last
+    q = torch.randn(len(token_row), KV_HEADS * GROUP, DIM,
+                    generator=torch.Generator().manual_seed(1))
+    want = reference(q, kv, table, LENS, token_row, 0.25)
+    out, lse = td.decode(q.to(DEVICE), kv.to(DEVICE), table.to(DEVICE),
+                         torch.tensor(LENS, dtype=torch.int32, device=DEVICE),
+                         token_row.to(DEVICE), 0.25, splits)
+    real = token_row >= 0
+    torch.testing.assert_close(out.cpu()[real], want.out[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu()[real], want.lse[real], atol=1e-5, rtol=1e-5)
+    empty = torch.tensor([n == 0 for n in LENS] + [True])  # no context, and the padding token
+    assert torch.equal(out.cpu()[empty], torch.zeros_like(out.cpu()[empty]))
+    assert torch.isneginf(lse.cpu()[empty]).all()
+
+
+def test_splits_fill_the_device_and_never_exceed_the_blocks():
+    assert td.splits_for(tokens=1, kv_heads=8, max_context=512, sms=132) == 512 // td.BLOCK_N
+    assert td.splits_for(tokens=1, kv_heads=8, max_context=1 << 17, sms=132) == 66
+    assert td.splits_for(tokens=64, kv_heads=8, max_context=1 << 17, sms=132) == 2
+    assert td.splits_for(tokens=512, kv_heads=8, max_context=1 << 17, sms=132) == 1
+    assert td.supported(128, 8) and not td.supported(96, 8) and not td.supported(128, 128)
