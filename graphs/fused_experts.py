@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from transformers.integrations import moe
 
+from torch_cp import compat
 from torch_cp.graphs import grouped_experts as ge
 from torch_cp.graphs.experts import capturable
 from torch_cp.graphs.pair_sums import sum_pairs
@@ -102,11 +103,13 @@ def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se
 
 def fits(experts: torch.nn.Module) -> bool:
     """Whether ``experts`` have the layout the kernels read: concatenated [gate; up] rows
-    ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SiLU, no bias or post-expert norm."""
+    ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SiLU(gate) * up (transformers' default
+    gate, not a class's own), no bias or post-expert norm."""
     return (experts.has_gate and experts.is_concatenated and not experts.is_transposed
             and not experts.has_bias and not experts.has_post_expert_norm
             and not experts._is_expert_parallel
             and type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation")
+            and compat.has_default_gate(experts)
             and experts.gate_up_proj.stride(-1) == 1 and experts.down_proj.stride(-1) == 1)
 
 

@@ -11,7 +11,6 @@ tokens, run 78). For the experts ``fused_experts.fits`` accepts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from torch_cp import compat
 from torch_cp.graphs.pair_sums import sum_pairs
@@ -30,8 +29,7 @@ def sorted_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.T
                          bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     gate_up = compat.grouped_linear(x_td[order // top_k], experts.gate_up_proj, offsets)
-    gate, up = gate_up.chunk(2, dim=-1)
-    out_sh = compat.grouped_linear(F.silu(gate) * up, experts.down_proj, offsets)
+    out_sh = compat.grouped_linear(experts._apply_gate(gate_up), experts.down_proj, offsets)
     place = torch.empty_like(order)  # each pair's row in the sorted order
     place[order] = torch.arange(order.numel(), device=order.device)
     return sum_pairs(out_sh[place].view(tokens, top_k, -1), x_td.dtype, weights_tk)

@@ -21,7 +21,9 @@ naming the hook, when one moves.
   MoE block runs (``graphs/experts.py`` reads it, and sets it where ``set_experts_implementation``
   does not reach). ``transformers.integrations.moe._grouped_linear``: the grouped GEMM of its
   ``grouped_mm`` experts (``torch._grouped_mm``, or its fallback where that cannot run), which
-  ``graphs/sorted_experts.py`` runs with its own combine.
+  ``graphs/sorted_experts.py`` runs with its own combine; ``_default_apply_gate``, the gate
+  ``@use_experts_implementation`` gives a class that defines none (the fused kernels compute
+  only that one).
 """
 
 from __future__ import annotations
@@ -152,6 +154,12 @@ def grouped_linear(x_sd: torch.Tensor, weight_eod: torch.Tensor, offsets: torch.
     """[S, O]: rows of ``x_sd`` [S, D], sorted by expert and ending at ``offsets`` [E] (int32,
     cumulative), each times its expert's ``weight_eod`` [E, O, D] transposed."""
     return transformers_moe._grouped_linear(x_sd, weight_eod, offsets)
+
+
+def has_default_gate(experts: nn.Module) -> bool:
+    """Whether a transformers experts module gates with the default ``act_fn(gate) * up`` over
+    the halves of its gate/up output, not a gate of its class's own."""
+    return getattr(type(experts), "_apply_gate", None) is transformers_moe._default_apply_gate
 
 
 def torch_gated_delta_rules() -> tuple[Callable, Callable]:

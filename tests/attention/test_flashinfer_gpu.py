@@ -114,17 +114,19 @@ def test_a_large_gqa_group_plans_within_its_workspace(size):
 @pytest.mark.parametrize("heads", [16, 20])
 def test_mla_own_token_paths(heads, own_tokens, monkeypatch):
     """20 heads: FlashInfer 0.7.2 cannot plan causal MLA exactly; "flashinfer" pads them to 32
-    (zero queries), "auto" takes torch. "flashinfer" never takes torch here."""
+    (zero queries), "auto" takes torch. Which kernel ran is checked too."""
     from torch_cp.attention import flashinfer_mla
 
-    if own_tokens == "flashinfer":
-        def refused(*args, **kwargs):
-            raise AssertionError("the own tokens took torch")
-        monkeypatch.setattr(flashinfer_mla, "dense_own_mla", refused)
+    dense = flashinfer_mla.dense_own_mla
+    calls = []
+    monkeypatch.setattr(flashinfer_mla, "dense_own_mla",
+                        lambda *a, **k: calls.append(1) or dense(*a, **k))
     shape = Shape("mla", heads, 1, 576, 512, 64)
     inputs = make_inputs(shape, MIXED, torch.bfloat16, "cuda", seed=heads)
     got = run_placed(flashinfer_backend(own_tokens=own_tokens), shape, 2, "sp", MIXED, inputs)
     assert_close_real(got.merged, reference(shape, MIXED, inputs), inputs.num_tokens)
+    on_torch = own_tokens == "torch" or (own_tokens == "auto" and heads == 20)
+    assert bool(calls) == on_torch, f"own tokens ran on {'torch' if calls else 'FlashInfer'}"
 
 
 @pytest.mark.gpu

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from torch_cp.attention.mla_planner import causal_mla_on_flashinfer, own_token_heads
+from torch_cp.attention.mla_planner import (
+    causal_mla_on_flashinfer,
+    own_heads_for,
+    own_token_heads,
+)
 
 PREFILL = [512] * 4  # tile 128 at any head count
 TINY = [1, 0, 0, 0]  # mean q * H <= 64 up to 256 heads: tile 64
@@ -27,3 +31,11 @@ def test_no_exact_heads_where_the_padding_exceeds_the_tile():
     assert own_token_heads(TINY, 128) is None  # tile 64: 128 heads never fit it
     assert own_token_heads(TINY, 96) is None
     assert own_token_heads(PREFILL, 96) == 128  # tile 128
+
+
+def test_each_mode_runs_the_own_tokens_with_its_heads():
+    assert own_heads_for("auto", PREFILL, 16) == 16
+    assert own_heads_for("auto", PREFILL, 20) is None  # torch, as before padding existed
+    assert own_heads_for("flashinfer", PREFILL, 20) == 32
+    assert own_heads_for("flashinfer", TINY, 128) is None
+    assert own_heads_for("torch", PREFILL, 16) is None

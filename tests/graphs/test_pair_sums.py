@@ -1,7 +1,11 @@
-"""``pair_sums.sum_pairs``: a token's k pair outputs summed in float32 and rounded once. Traced
-(k - 1 adds, so that Inductor makes one pointwise kernel of it) bit for bit the float32 sum in
-order, weights multiplied in float32; eagerly (one reduction, weights multiplied in the promoted
-dtype as transformers does) within one rounding of the pairs' dtype of it."""
+"""``pair_sums.sum_pairs``: a token's k pair outputs summed in float32 and rounded once.
+
+- Traced (as compiled layers run it): k - 1 adds in order of float32 terms (weights multiplied
+  in float32), bit for bit, so that Inductor makes one pointwise kernel of it; its graph holds
+  no reduction.
+- Eagerly: one reduction in float32 over the pairs times the weights in the dtype torch promotes
+  them to (transformers' product), bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 from torch_cp.graphs.pair_sums import sum_pairs
 
 
-def sequential(out_tkh, weights_tk=None):
+def in_order(out_tkh, weights_tk=None):
     out = out_tkh.float() if weights_tk is None else out_tkh.float() * weights_tk.float()[..., None]
     total = out[:, 0]
     for j in range(1, out.shape[1]):
@@ -19,19 +23,35 @@ def sequential(out_tkh, weights_tk=None):
     return total
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_traced_and_eager_sums_agree(weighted, dtype):
+def inputs(dtype, weighted):
     g = torch.Generator().manual_seed(0)
     out = torch.randn(5, 8, 48, generator=g).to(dtype)
-    weights = torch.rand(5, 8, generator=g).to(dtype) if weighted else None
-    traced = torch.compile(sum_pairs, backend="aot_eager", fullgraph=True)
+    return out, (torch.rand(5, 8, generator=g).to(dtype) if weighted else None)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_sum_is_the_adds_in_order(weighted, dtype):
+    out, weights = inputs(dtype, weighted)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
     torch._dynamo.reset()
-    got_traced = traced(out, torch.bfloat16, weights)
-    assert torch.equal(got_traced, sequential(out, weights).to(torch.bfloat16))
-    # Eager: bf16 products round (2**-9 relative each, on sums of 8 terms of either sign: up to
-    # 2**-6 of the largest term), then the float32 sum in torch's order, rounded to bf16.
-    got_eager = sum_pairs(out, torch.bfloat16, weights)
-    scale = (out.float() * (1 if weights is None else weights.float()[..., None])).abs().amax(1)
-    assert ((got_eager.float() - sequential(out, weights)).abs() <= 2**-6 * scale).all()
-    assert sum_pairs(out, torch.float32, weights).dtype == torch.float32
+    traced = torch.compile(sum_pairs, backend=backend, fullgraph=True)
+    assert torch.equal(traced(out, torch.float32, weights), in_order(out, weights))
+    assert torch.equal(traced(out, torch.bfloat16, weights),
+                       in_order(out, weights).to(torch.bfloat16))
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes}
+    assert not any("sum" in op for op in ops), ops
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_sum_is_one_reduction_of_transformers_products(weighted, dtype):
+    out, weights = inputs(dtype, weighted)
+    terms = out if weights is None else out * weights[..., None]
+    for result_dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(sum_pairs(out, result_dtype, weights),
+                           terms.sum(dim=1, dtype=torch.float32).to(result_dtype))

@@ -109,3 +109,17 @@ def test_grouped_linear_multiplies_each_experts_rows_by_its_weight():
     offsets = torch.tensor([2, 2, 5], dtype=torch.int32)  # rows 0-1 expert 0, 2-4 expert 2
     want = torch.cat((x[:2] @ weight[0].T, x[2:] @ weight[2].T))
     torch.testing.assert_close(compat.grouped_linear(x, weight, offsets), want)
+
+
+def test_experts_modules_gate_by_default_unless_their_class_defines_a_gate():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=2)
+    assert compat.has_default_gate(Qwen3MoeExperts(config))
+
+    class OwnGate(Qwen3MoeExperts):
+        def _apply_gate(self, gate_up_out):
+            return gate_up_out[..., : gate_up_out.shape[-1] // 2]
+
+    assert not compat.has_default_gate(OwnGate(config))

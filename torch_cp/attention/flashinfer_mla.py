@@ -28,10 +28,9 @@ from torch_cp.attention.flashinfer_common import (
     with_token_padding_row,
 )
 from torch_cp.attention.mla_planner import (
-    causal_mla_on_flashinfer,
     check_mla_work_items,
     mixed_bucket_problems,
-    own_token_heads,
+    own_heads_for,
 )
 from torch_cp.attention.partial import Partial
 from torch_cp.plan import Bucket, StepPlan
@@ -118,12 +117,15 @@ class FlashInferMLABackend(FlashInferBackend):
 
     def mixed_bucket_problems(self, shapes: Sequence[tuple[int, int]]) -> list[str]:
         """``mixed_bucket_problems`` for this backend (``Engine`` asks before allocating), for
-        the context's heads and the own tokens' (padded where ``own_tokens="flashinfer"``)."""
+        the context's heads and, where the own tokens run on FlashInfer, theirs (a captured
+        step's rows and tokens are the bucket's, so its capture step decides)."""
         g = self.geometry
-        own = g.q_heads
-        if self.own_tokens == "flashinfer":
-            own = max(own, 1 << (own - 1).bit_length())
-        return mixed_bucket_problems(shapes, max(g.context_q_heads, own), self.num_sms)
+        problems = []
+        for rows, tokens in shapes:
+            own = own_heads_for(self.own_tokens, [0] * rows + [tokens], g.q_heads) or 0
+            problems += mixed_bucket_problems([(rows, tokens)], max(g.context_q_heads, own),
+                                              self.num_sms)
+        return problems
 
 
 class _MLAKernels:
@@ -174,11 +176,7 @@ class _MLAKernels:
         q_lens_t = (qo[1:] - qo[:-1]).to(torch.int32)
         q_lens = q_lens_t.tolist()
         check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
-        own_heads = None
-        if not plan.is_decode and self.own_tokens == "flashinfer":
-            own_heads = own_token_heads(q_lens, g.q_heads)
-        elif not plan.is_decode and self.own_tokens == "auto":
-            own_heads = g.q_heads if causal_mla_on_flashinfer(q_lens, g.q_heads) else None
+        own_heads = None if plan.is_decode else own_heads_for(self.own_tokens, q_lens, g.q_heads)
         if own_heads:
             check_mla_work_items(q_lens, own_heads, self.num_sms, plan.num_rows)
         name = "decode" if plan.is_decode else "context"

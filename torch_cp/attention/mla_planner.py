@@ -95,3 +95,14 @@ def own_token_heads(q_lens: Sequence[int], num_heads: int) -> int | None:
         if causal_mla_on_flashinfer(q_lens, heads):
             return heads
     return None
+
+
+def own_heads_for(own_tokens: str, q_lens: Sequence[int], num_heads: int) -> int | None:
+    """The heads a step's own tokens run with on FlashInfer under the backend's ``own_tokens``
+    (``"auto"``: only where causal MLA is exact as it is; ``"flashinfer"``: padded where
+    needed); None where they run on torch."""
+    if own_tokens == "flashinfer":
+        return own_token_heads(q_lens, num_heads)
+    if own_tokens == "auto" and causal_mla_on_flashinfer(q_lens, num_heads):
+        return num_heads
+    return None
