@@ -85,7 +85,7 @@ def _split(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_m
                  tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), float("-inf")),
                  mask=g < G)
     else:
-        part = (n * heads_total + heads) * SPLITS + s  # [token, head, split]
+        part = (n * heads_total + heads).to(tl.int64) * SPLITS + s  # [token, head, split]
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=g < G)
         tl.store(part_ml_ptr + part * 2 + 1, total, mask=g < G)
@@ -98,7 +98,7 @@ def _merge(part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, out_sn, out_sh, heads_tota
     h = tl.program_id(1)
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
-    part = (n * heads_total + h) * SPLITS + s
+    part = (n * heads_total + h).to(tl.int64) * SPLITS + s
     in_s = s < SPLITS
     m = tl.load(part_ml_ptr + part * 2, mask=in_s, other=float("-inf"))
     total = tl.load(part_ml_ptr + part * 2 + 1, mask=in_s, other=0.0)
