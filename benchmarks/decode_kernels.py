@@ -12,7 +12,8 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
 - ``fa3``: the tensor-core path on FlashInfer's SM90 (FA3) prefill kernel;
 - ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes);
 - ``triton``: torch_cp's split Triton kernels (``torch_cp/attention/triton_decode.py``), split as
-  a captured step splits them.
+  a captured step whose page table is as wide as the context splits them (a wider table, e.g.
+  ``max_pages_per_row`` of the whole pool, makes more splits, the extra ones empty).
 
 Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
 another order). KV bytes over the time set against the copy bandwidth of the same run.

@@ -85,14 +85,20 @@ def test_gqa_decode_both_kernels(tensor_cores):
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("shape,mode", CASES[:2], ids=CASE_IDS[:2])
-def test_gqa_decode_on_the_triton_kernels(shape, mode, size):
+def test_gqa_decode_on_the_triton_kernels(shape, mode, size, monkeypatch):
     """``decode_kernel="triton"`` (attention/triton_decode.py): the reference's partials, placed
     and merged, at P = 1, 2, 4 in both modes."""
     shape = tp_shape(shape, size) if mode == "tp" else shape
+    from torch_cp.attention import triton_decode
+
+    calls = []
+    decode = triton_decode.decode
+    monkeypatch.setattr(triton_decode, "decode", lambda *a: calls.append(1) or decode(*a))
     inputs = make_inputs(shape, DECODE, torch.bfloat16, "cuda", seed=size)
     got = run_placed(flashinfer_backend(decode_kernel="triton"), shape, size, mode, DECODE,
                      inputs)
     assert_close_real(got.merged, reference(shape, DECODE, inputs), inputs.num_tokens)
+    assert calls, "decode ran on the Triton kernels"
 
 
 @pytest.mark.gpu
@@ -280,13 +286,20 @@ def test_auto_picks_flashinfer_on_this_gpu(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "gqa-triton"])
 def test_graph_bucket_wrappers_replay_like_eager(kind, step):
     """Wrappers made for a bucket (use_cuda_graph=True, fixed buffers): run_* captured once,
     re-planned outside the graph for two steps of different lengths, replayed; equal to eager
     within bf16 tolerance (the graph plans split KV differently). Planning never synchronizes
-    (it runs while the step launched before it executes)."""
+    (it runs while the step launched before it executes). ``gqa-triton``: decode steps on
+    torch_cp's Triton kernels, graph-ready and eager alike."""
     from gpu_harness import GROUP, geometry_for
+
+    options = {}
+    if kind == "gqa-triton":
+        if step == "prefill":
+            pytest.skip("the Triton kernels run decode steps only")
+        kind, options = "gqa", dict(decode_kernel="triton")
 
     from torch_cp.kv.pool import GQAPool, MLAPool
     from torch_cp.placement import ContextParallel
@@ -330,9 +343,9 @@ def test_graph_bucket_wrappers_replay_like_eager(kind, step):
             t.copy_(torch.randn(t.shape, generator=gen))
 
     geometry = geometry_for(shape, 1, "sp")
-    graphed = flashinfer_backend()(geometry)
+    graphed = flashinfer_backend(**options)(geometry)
     graphed.add_bucket(bucket)
-    eager = flashinfer_backend()(geometry)
+    eager = flashinfer_backend(**options)(geometry)
 
     def run(backend):
         parts = [backend.run_context(q, pool.tensors, 0)]

@@ -70,7 +70,8 @@ def test_decode_equals_dense_attention(splits):
 
 def test_splits_fill_the_device_and_never_exceed_the_blocks():
     assert td.splits_for(tokens=1, kv_heads=8, max_context=512, sms=132) == 512 // td.BLOCK_N
-    assert td.splits_for(tokens=1, kv_heads=8, max_context=1 << 17, sms=132) == 66
+    assert td.splits_for(tokens=1, kv_heads=8, max_context=1 << 17, sms=132) == td.MAX_SPLITS
+    assert td.splits_for(tokens=2, kv_heads=8, max_context=1 << 17, sms=132) == 33
     assert td.splits_for(tokens=64, kv_heads=8, max_context=1 << 17, sms=132) == 2
     assert td.splits_for(tokens=512, kv_heads=8, max_context=1 << 17, sms=132) == 1
     assert td.supported(128, 8) and not td.supported(96, 8) and not td.supported(128, 128)

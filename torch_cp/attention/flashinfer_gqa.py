@@ -49,14 +49,16 @@ class FlashInferGQABackend(FlashInferBackend):
         dtype: query and pool dtype (bf16 or fp16; only bf16 kernels are prebuilt here).
         decode_tensor_cores: force the decode path; ``None`` decides from the context GQA group.
         decode_kernel: ``"flashinfer"`` or ``"triton"`` (``triton_decode``) for decode steps;
-            ``None``: ``DECODE_KERNEL``.
+            ``None``: ``DECODE_KERNEL`` where the Triton kernels take the shapes, else
+            FlashInfer's.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
                  dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool | None = None,
                  decode_kernel: str | None = None):
         problems = []
-        decode_kernel = decode_kernel or DECODE_KERNEL
+        if decode_kernel is None:  # the default, where the Triton kernels take the shapes
+            decode_kernel = DECODE_KERNEL if _triton_decode_takes(geometry) else "flashinfer"
         if decode_kernel not in ("flashinfer", "triton"):
             problems.append(f"decode_kernel must be 'flashinfer' or 'triton', got "
                             f"{decode_kernel!r}")
@@ -110,7 +112,9 @@ class _GQAKernels:
 
             self._triton_decode = triton_decode
         self._num_sms = backend.num_sms
-        self._plan: StepPlan | None = None  # a Triton decode step's plan (device tensors)
+        # A Triton decode step's tables, copied in place at each plan like FlashInfer's buffers
+        # (captured kernels keep reading these tensors): [B, width], [B], [N].
+        self._table = self._lens = self._token_row = None
 
     def plan(self, plan: StepPlan) -> None:
         """Plan the step's wrappers from host indptrs (no device sync)."""
@@ -121,7 +125,9 @@ class _GQAKernels:
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         if plan.is_decode and self._triton_decode:
-            self._plan = plan  # the kernels read its device tables, which a capture keeps
+            self._table = _kept(self._table, plan.context.table)
+            self._lens = _kept(self._lens, plan.context.lens)
+            self._token_row = _kept(self._token_row, plan.token_row)
         elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
@@ -146,10 +152,10 @@ class _GQAKernels:
                     ) -> Partial:
         """q [N, context_q_heads, head_dim] over this partner's slots -> Partial [N, H, D]."""
         if self._is_decode and self._triton_decode:
-            td, ctx, kv = self._triton_decode, self._plan.context, caches[0][layer_idx]
-            splits = td.splits_for(q.shape[0], kv.shape[3], ctx.table.shape[1] * kv.shape[2],
+            td, kv = self._triton_decode, caches[0][layer_idx]
+            splits = td.splits_for(q.shape[0], kv.shape[3], self._table.shape[1] * kv.shape[2],
                                    self._num_sms)
-            return Partial(*td.decode(q, kv, ctx.table, ctx.lens, self._plan.token_row,
+            return Partial(*td.decode(q, kv, self._table, self._lens, self._token_row,
                                       self.geometry.scale, splits))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
@@ -163,6 +169,15 @@ class _GQAKernels:
         # v may be a view of the fused q/k/v GEMM's output (fused_linear.py).
         out, lse = self._own.run(q.contiguous(), k.contiguous(), v.contiguous(), return_lse=True)
         return Partial(out, lse)
+
+
+def _kept(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into ``current`` where the shapes match (captured kernels keep reading
+    it), else into a new tensor: never the plan's own, which whoever holds the plan still
+    reads."""
+    if current is not None and current.shape == value.shape:
+        return current.copy_(value)
+    return value.clone()
 
 
 def _triton_decode_takes(geometry: AttentionGeometry) -> bool:

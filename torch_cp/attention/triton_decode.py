@@ -26,6 +26,9 @@ import triton.language as tl
 
 BLOCK_N = 64  # context tokens a program multiplies at a time
 PROGRAMS_PER_SM = 4  # split programs a step aims for, per SM
+# The most splits of a row: the merge reads all of a (token, head)'s partials in one program,
+# which spills registers past a few hundred (helper 40, sm_90 resource usage).
+MAX_SPLITS = 64
 LOG2E = 1.0 / math.log(2.0)
 # Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot wrongly: there they go as fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,8 +37,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _split(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_ml_ptr, out_ptr,
            lse_ptr, scale_log2, q_sn, q_sh, kv_sp, kv_skv, kv_ss, kv_sh, table_sr, heads_total,
-           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-           BLOCK: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr):
+           splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+           BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    # ``splits`` is a runtime value (one compile for every count); ONE_SPLIT: it is 1 and the
+    # program writes the result itself.
     n = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -43,7 +48,7 @@ def _split(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_m
     safe_row = tl.maximum(row, 0)
     length = tl.where(row >= 0, tl.load(lens_ptr + safe_row), 0)
     blocks = tl.cdiv(length, BLOCK)
-    per_split = tl.cdiv(blocks, SPLITS) * BLOCK
+    per_split = tl.cdiv(blocks, splits) * BLOCK
     start = s * per_split
     end = tl.minimum(start + per_split, length)
     g = tl.arange(0, GP)
@@ -76,7 +81,7 @@ def _split(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_m
         acc = acc * alpha[:, None] + pv
         m = m_new
     heads = h * G + g
-    if SPLITS == 1:  # the split is the whole row: write the result
+    if ONE_SPLIT:  # the split is the whole row: write the result
         seen = total > 0
         out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
         tl.store(out_ptr + n * q_sn + heads[:, None] * q_sh + d[None, :],
@@ -85,21 +90,21 @@ def _split(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_m
                  tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), float("-inf")),
                  mask=g < G)
     else:
-        part = (n * heads_total + heads).to(tl.int64) * SPLITS + s  # [token, head, split]
+        part = (n * heads_total + heads).to(tl.int64) * splits + s  # [token, head, split]
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=g < G)
         tl.store(part_ml_ptr + part * 2 + 1, total, mask=g < G)
 
 
 @triton.jit
-def _merge(part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, out_sn, out_sh, heads_total,
-           D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+def _merge(part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, out_sn, out_sh, heads_total, splits,
+           D: tl.constexpr, SP: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
-    part = (n * heads_total + h).to(tl.int64) * SPLITS + s
-    in_s = s < SPLITS
+    part = (n * heads_total + h).to(tl.int64) * splits + s
+    in_s = s < splits
     m = tl.load(part_ml_ptr + part * 2, mask=in_s, other=float("-inf"))
     total = tl.load(part_ml_ptr + part * 2 + 1, mask=in_s, other=0.0)
     top = tl.max(m, 0)
@@ -121,9 +126,10 @@ def supported(head_dim: int, group: int) -> bool:
 
 def splits_for(tokens: int, kv_heads: int, max_context: int, sms: int) -> int:
     """Splits a row's context is cut into: enough programs for ``PROGRAMS_PER_SM`` an SM, no
-    more than the blocks of the longest context the step's page table can hold."""
+    more than the blocks of the longest context the step's page table can hold, nor than
+    ``MAX_SPLITS``."""
     wanted = -(-PROGRAMS_PER_SM * sms // max(1, tokens * kv_heads))
-    return max(1, min(wanted, -(-max_context // BLOCK_N)))
+    return max(1, min(wanted, -(-max_context // BLOCK_N), MAX_SPLITS))
 
 
 def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
@@ -155,11 +161,13 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
     _split[(n, kv_heads, splits)](
         q_nhd, kv_layer, table, lens, token_row, part_o, part_ml, out, lse, scale * LOG2E,
         q_nhd.stride(0), q_nhd.stride(1), kv_layer.stride(0), kv_layer.stride(1),
-        kv_layer.stride(2), kv_layer.stride(3), table.stride(0), heads, G=group,
+        kv_layer.stride(2), kv_layer.stride(3), table.stride(0), heads, splits, G=group,
         GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2], BLOCK=BLOCK_N,
-        SPLITS=splits, FP32_DOT=fp32_dot, num_warps=4)
+        ONE_SPLIT=splits == 1, FP32_DOT=fp32_dot,
+        # 8 warps from head_dim 128: 164-241 registers a thread on sm_90, where 4 warps take
+        # 238-254 and spill at 256 (helper 40's resource usage; not timed yet).
+        num_warps=8 if dim >= 128 else 4)
     if splits > 1:
-        _merge[(n, heads)](part_o, part_ml, out, lse, out.stride(0), out.stride(1), heads, D=dim,
-                           SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)),
-                           num_warps=4)
+        _merge[(n, heads)](part_o, part_ml, out, lse, out.stride(0), out.stride(1), heads, splits,
+                           D=dim, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out, lse
