@@ -31,57 +31,69 @@ PAGE = 16
 DTYPE = torch.bfloat16
 SHAPES = {"gqa": dict(q_heads=32, kv_heads=8, head_dim=128),   # Qwen3-8B layer
           "gqa8": dict(q_heads=32, kv_heads=4, head_dim=128)}  # Qwen3-30B-A3B layer
-SIZES = ((1, 512), (1, 4096), (32, 512), (64, 512), (32, 4096), (64, 4096))
+# rows x context; "+L": the last row L tokens (a long request among short ones)
+SIZES = ("1x512", "1x4096", "32x512", "64x512", "32x4096", "64x4096", "32x512+32768")
 VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores", "triton")
 
 
-def decode_variant(name: str, shape: dict, batch: int, ctx: int, kv: torch.Tensor,
-                   q: torch.Tensor, workspace: torch.Tensor):
-    """A planned graph-ready wrapper for ``name`` and the call that runs it."""
-    import flashinfer
-
+def decode_variant(name: str, shape: dict, lens: list[int], kv: torch.Tensor, q: torch.Tensor,
+                   workspace: torch.Tensor):
+    """A planned graph-ready wrapper for ``name`` over rows of ``lens`` tokens, and the call
+    that runs it."""
     device = q.device
-    per_row = -(-ctx // PAGE)
+    batch = len(lens)
+    pages = [-(-n // PAGE) for n in lens]
     i32 = dict(dtype=torch.int32, device=device)
-    order = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(0))
-    indices = order.to(**i32)
+    order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(0)).to(**i32)
+    indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     if name == "triton":
         from torch_cp.attention import triton_decode
 
-        table = indices.view(batch, per_row)
-        lens = torch.full((batch,), ctx, **i32)
+        table = torch.zeros(batch, max(pages), **i32)  # padded with page 0, never read
+        for row, (a, b) in enumerate(zip(indptr.tolist(), indptr[1:].tolist())):
+            table[row, : b - a] = order[a:b]
         rows = torch.arange(batch, device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = triton_decode.splits_for(batch, shape["kv_heads"], ctx, sms)
+        splits = triton_decode.splits_for(batch, shape["kv_heads"], max(lens), sms)
         scale = shape["head_dim"] ** -0.5
-        return lambda: triton_decode.decode(q, kv, table, lens, rows, scale, splits)
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * per_row
-    last = torch.full((batch,), ctx - (per_row - 1) * PAGE, dtype=torch.int32)
+        row_lens = torch.tensor(lens, **i32)
+        return lambda: triton_decode.decode(q, kv, table, row_lens, rows, scale, splits)
+    import flashinfer
+
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lens, pages)], dtype=torch.int32)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_cuda_graph=True, use_tensor_cores=name != "cuda_cores",
         paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
-        paged_kv_indices_buffer=torch.zeros(batch * per_row, **i32),
+        paged_kv_indices_buffer=torch.zeros(sum(pages), **i32),
         paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
         **({"backend": "fa3"} if name == "fa3" else {}))
     extra = {"disable_split_kv": True} if name == "fa2_no_split" else {}
-    wrapper.plan(indptr, indices, last, shape["q_heads"], shape["kv_heads"], shape["head_dim"],
+    wrapper.plan(indptr, order, last, shape["q_heads"], shape["kv_heads"], shape["head_dim"],
                  PAGE, q_data_type=DTYPE, kv_data_type=DTYPE, **extra)
     return lambda: wrapper.run(q, kv, return_lse=True)
 
 
-def run_case(shape: dict, batch: int, ctx: int, copy_bw: float, device) -> dict:
-    per_row = -(-ctx // PAGE)
-    kv = torch.empty(batch * per_row, 2, PAGE, shape["kv_heads"], shape["head_dim"], dtype=DTYPE,
+def row_lengths(case: str) -> list[int]:
+    """``"BxC"``: B rows of C tokens; ``"BxC+L"``: the last of them L tokens instead (a long
+    request among short ones)."""
+    size, _, longest = case.partition("+")
+    batch, ctx = map(int, size.split("x"))
+    return [ctx] * (batch - 1) + [int(longest) if longest else ctx]
+
+
+def run_case(shape: dict, lens: list[int], copy_bw: float, device) -> dict:
+    pages = sum(-(-n // PAGE) for n in lens)
+    kv = torch.empty(pages, 2, PAGE, shape["kv_heads"], shape["head_dim"], dtype=DTYPE,
                      device=device).normal_()
-    q = torch.randn(batch, shape["q_heads"], shape["head_dim"], dtype=DTYPE, device=device)
-    kv_bytes = batch * ctx * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE.itemsize
-    rec = dict(batch=batch, ctx=ctx, kv_bytes=kv_bytes,
+    q = torch.randn(len(lens), shape["q_heads"], shape["head_dim"], dtype=DTYPE, device=device)
+    kv_bytes = sum(lens) * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE.itemsize
+    rec = dict(batch=len(lens), ctx=lens[0], longest=max(lens), kv_bytes=kv_bytes,
                roofline_us=kv_bytes / copy_bw * 1e6, variants={})
     want = None
     for name in VARIANTS:
         workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
         try:
-            run = decode_variant(name, shape, batch, ctx, kv, q, workspace)
+            run = decode_variant(name, shape, lens, kv, q, workspace)
             out, lse = run()
             if want is None:
                 want = (out.clone(), lse.clone())
@@ -99,21 +111,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON results path")
     ap.add_argument("--shapes", default="gqa,gqa8")
-    ap.add_argument("--sizes", default=None, help="batch x context cases, e.g. '1x512,32x512'")
+    ap.add_argument("--sizes", default=None,
+                    help="rows x context cases, e.g. '1x512,32x512,32x512+32768'")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     torch.manual_seed(0)
     results = Results(args.out, run_header(device))
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
-    sizes = ([tuple(map(int, c.split("x"))) for c in args.sizes.split(",")] if args.sizes
-             else SIZES)
     rows = []
     for shape_name in args.shapes.split(","):
-        for batch, ctx in sizes:
-            rec = results.add(shape=shape_name,
-                              **run_case(SHAPES[shape_name], batch, ctx, copy_bw, device))
-            row = {"shape": shape_name, "batch x ctx": f"{batch}x{ctx}",
+        for case in args.sizes.split(",") if args.sizes else SIZES:
+            rec = results.add(shape=shape_name, case=case,
+                              **run_case(SHAPES[shape_name], row_lengths(case), copy_bw, device))
+            row = {"shape": shape_name, "rows x context": case,
                    "roofline us": rec["roofline_us"]}
             for name, v in rec["variants"].items():
                 row[f"{name} us"] = v.get("us")

@@ -8,7 +8,10 @@ split) is a program: each row's context is cut into ``splits`` even pieces (whol
 ``BLOCK_N`` tokens, read through the page table), whose partials (running max, sum and output,
 float32) a second kernel merges into the output and base-2 LSE. The number of splits depends on
 the step's shape only (rows, KV heads, page-table width), so a CUDA graph replays it for any
-context lengths; the pieces follow each row's length on the device.
+context lengths; the pieces follow each row's length on the device. Every row gets the same
+number of pieces, so one long row among short ones is read by few programs (FlashInfer's host
+planner balances such a batch; ``benchmarks/decode_kernels.py``'s ``32x512+32768`` case
+measures the cost).
 
 Tokens past a row's length, padding tokens (``token_row`` -1) and the sink page are never read
 (masked loads), so NaN there never reaches a real row. A token with no context gets out 0 and
