@@ -11,9 +11,8 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
 - ``fa2_no_split``: the same with ``disable_split_kv=True`` (no merge, one CTA per row and head);
 - ``fa3``: the tensor-core path on FlashInfer's SM90 (FA3) prefill kernel;
 - ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes);
-- ``triton``: torch_cp's split Triton kernels (``torch_cp/attention/triton_decode.py``), split as
-  a captured step whose page table is as wide as the context splits them (a wider table, e.g.
-  ``max_pages_per_row`` of the whole pool, makes more splits, the extra ones empty).
+- ``triton``: torch_cp's chunked Triton kernels (``torch_cp/attention/triton_decode.py``), with
+  the work items a captured step of these rows gets.
 
 Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
 another order). KV bytes over the time set against the copy bandwidth of the same run.
@@ -54,10 +53,10 @@ def decode_variant(name: str, shape: dict, lens: list[int], kv: torch.Tensor, q:
             table[row, : b - a] = order[a:b]
         rows = torch.arange(batch, device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = triton_decode.splits_for(batch, shape["kv_heads"], max(lens), sms)
+        spare = triton_decode.spare_items(batch, shape["kv_heads"], sms)
         scale = shape["head_dim"] ** -0.5
         row_lens = torch.tensor(lens, **i32)
-        return lambda: triton_decode.decode(q, kv, table, row_lens, rows, scale, splits)
+        return lambda: triton_decode.decode(q, kv, table, row_lens, rows, scale, spare)
     import flashinfer
 
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lens, pages)], dtype=torch.int32)

@@ -4,9 +4,9 @@ dense attention (``torch_ref.dense_partial``), in Triton's interpreter on the CP
 fp32 pool and queries: the kernels multiply in fp32 there, so outputs within 1e-5 and base-2 LSE
 within 1e-5 of the reference (float32 sums in another order, over up to 300 keys). Rows with no
 context, rows shorter than a block, longer than a split, a padding token (row -1); NaN in the
-sink page and in every slot past a row's length never reaches a real token; one split (the
-result written directly) and several (merged). GPU: the GPU test of the FlashInfer backend with
-``decode_kernel="triton"``."""
+sink page and in every slot past a row's length never reaches a real token; the context in one
+chunk a token, in several, in one block each, a skewed batch (one long row takes most chunks)
+and no context at all. GPU: the FlashInfer backend's tests with ``decode_kernel="triton"``."""
 
 from __future__ import annotations
 
@@ -50,28 +50,33 @@ def reference(q, kv, table, lens, token_row, scale):
     return dense_partial(q, k, v, mask, scale, key_batch=token_row)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_decode_equals_dense_attention(splits):
-    kv, table = pool_and_tables(LENS)
+@pytest.mark.parametrize("lens, spare", [
+    pytest.param(LENS, 1, id="few-items"),  # chunks of the whole context: one a token
+    pytest.param(LENS, 6, id="chunks"),
+    pytest.param(LENS, 64, id="blocks"),  # more items than blocks: chunks of one block
+    pytest.param([600, 3, 5, 0, 2], 5, id="skewed"),  # the long row takes most chunks
+    pytest.param([1500, 3, 5, 0, 2], 40, id="many-chunks"),  # 24: merged in several blocks
+    pytest.param([0, 0, 0, 0, 0], 4, id="no-context"),
+])
+def test_decode_equals_dense_attention(lens, spare):
+    kv, table = pool_and_tables(lens)
     token_row = torch.tensor([0, 1, 2, 3, 4, -1])  # a padding token last
     q = torch.randn(len(token_row), KV_HEADS * GROUP, DIM,
                     generator=torch.Generator().manual_seed(1))
-    want = reference(q, kv, table, LENS, token_row, 0.25)
+    want = reference(q, kv, table, lens, token_row, 0.25)
     out, lse = td.decode(q.to(DEVICE), kv.to(DEVICE), table.to(DEVICE),
-                         torch.tensor(LENS, dtype=torch.int32, device=DEVICE),
-                         token_row.to(DEVICE), 0.25, splits)
-    real = token_row >= 0
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                         token_row.to(DEVICE), 0.25, spare)
+    real = torch.tensor([n > 0 for n in lens] + [False])
     torch.testing.assert_close(out.cpu()[real], want.out[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu()[real], want.lse[real], atol=1e-5, rtol=1e-5)
-    empty = torch.tensor([n == 0 for n in LENS] + [True])  # no context, and the padding token
+    empty = ~real  # no context, and the padding token
     assert torch.equal(out.cpu()[empty], torch.zeros_like(out.cpu()[empty]))
     assert torch.isneginf(lse.cpu()[empty]).all()
 
 
-def test_splits_fill_the_device_and_never_exceed_the_blocks():
-    assert td.splits_for(tokens=1, kv_heads=8, max_context=512, sms=132) == 512 // td.BLOCK_N
-    assert td.splits_for(tokens=1, kv_heads=8, max_context=1 << 17, sms=132) == td.MAX_SPLITS
-    assert td.splits_for(tokens=2, kv_heads=8, max_context=1 << 17, sms=132) == 33
-    assert td.splits_for(tokens=64, kv_heads=8, max_context=1 << 17, sms=132) == 2
-    assert td.splits_for(tokens=512, kv_heads=8, max_context=1 << 17, sms=132) == 1
+def test_spare_items_fill_the_device_and_hold_every_token():
+    assert td.spare_items(tokens=1, kv_heads=8, sms=132) == 66
+    assert td.spare_items(tokens=32, kv_heads=4, sms=132) == 132
+    assert td.spare_items(tokens=512, kv_heads=8, sms=132) == 512
     assert td.supported(128, 8) and not td.supported(96, 8) and not td.supported(128, 128)

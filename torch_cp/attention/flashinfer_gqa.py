@@ -1,7 +1,7 @@
 """FlashInfer partial attention over a placed GQA pool (paged decode, paged + ragged prefill).
 
 A decode step attends the pool only (the new token is written first), through
-``BatchDecodeWithPagedKVCacheWrapper`` (or, with ``decode_kernel="triton"``, torch_cp's split
+``BatchDecodeWithPagedKVCacheWrapper`` (or, with ``decode_kernel="triton"``, torch_cp's chunked
 Triton kernels, ``triton_decode``). Any other step attends the cached context through
 ``BatchPrefillWithPagedKVCacheWrapper`` (non-causal, context-only lengths) and its own tokens
 through ``BatchPrefillWithRaggedKVCacheWrapper`` (causal, ``qo_indptr == kv_indptr``); the module
@@ -29,7 +29,7 @@ CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's decode dispatch
 # Tensor-core decode from this GQA group size up: on an H200 it reaches the copy roofline at
 # every group, CUDA cores only at groups 1-2 (docs/gpu-runs.md).
 TENSOR_CORE_MIN_GROUP = 4
-# Decode steps' kernel: FlashInfer's, or torch_cp's split Triton kernels ("triton",
+# Decode steps' kernel: FlashInfer's, or torch_cp's chunked Triton kernels ("triton",
 # triton_decode.py: written to beat FlashInfer's graph-mode decode at short contexts, run 78;
 # not yet run on the GPU, so not the default).
 DECODE_KERNEL = "flashinfer"
@@ -153,10 +153,9 @@ class _GQAKernels:
         """q [N, context_q_heads, head_dim] over this partner's slots -> Partial [N, H, D]."""
         if self._is_decode and self._triton_decode:
             td, kv = self._triton_decode, caches[0][layer_idx]
-            splits = td.splits_for(q.shape[0], kv.shape[3], self._table.shape[1] * kv.shape[2],
-                                   self._num_sms)
+            spare = td.spare_items(q.shape[0], kv.shape[3], self._num_sms)
             return Partial(*td.decode(q, kv, self._table, self._lens, self._token_row,
-                                      self.geometry.scale, splits))
+                                      self.geometry.scale, spare))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
         return Partial(out, lse)
