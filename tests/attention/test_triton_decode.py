@@ -1,8 +1,9 @@
 """torch_cp's Triton paged decode (attention/triton_decode.py) against the torch reference's
 dense attention (``torch_ref.dense_partial``), in Triton's interpreter on the CPU.
 
-fp32 pool and queries: the kernels multiply in fp32 there, so outputs within 1e-5 and base-2 LSE
-within 1e-5 of the reference (float32 sums in another order, over up to 300 keys). Rows with no
+fp32 pool and queries: the kernels multiply in fp32 there, so outputs and base-2 LSE within 1e-4
+of the reference (float32 sums in another order, over up to 1500 keys in chunks merged by
+rescaling; a wrong rescaling or chunk errs by 1e-1 and more). Rows with no
 context, rows shorter than a block, longer than a split, a padding token (row -1); NaN in the
 sink page and in every slot past a row's length never reaches a real token; the context in one
 chunk a token, in several, in one block each, a skewed batch (one long row takes most chunks)
@@ -68,8 +69,8 @@ def test_decode_equals_dense_attention(lens, spare):
                          torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                          token_row.to(DEVICE), 0.25, spare)
     real = torch.tensor([n > 0 for n in lens] + [False])
-    torch.testing.assert_close(out.cpu()[real], want.out[real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.cpu()[real], want.lse[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu()[real], want.out[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu()[real], want.lse[real], atol=1e-4, rtol=1e-4)
     empty = ~real  # no context, and the padding token
     assert torch.equal(out.cpu()[empty], torch.zeros_like(out.cpu()[empty]))
     assert torch.isneginf(lse.cpu()[empty]).all()

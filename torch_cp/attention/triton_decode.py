@@ -166,6 +166,7 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
     n, heads, dim = q_nhd.shape
     kv_heads = kv_layer.shape[3]
     group = heads // kv_heads
+    assert spare >= 1, "the chunk size divides the context by the spare items"
     items = n + spare
     q_nhd = q_nhd.contiguous()
     out = torch.empty_like(q_nhd)
