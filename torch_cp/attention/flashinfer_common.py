@@ -59,11 +59,13 @@ class PlanFence:
 
 
 def staged(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """``value``, copied in place into ``current`` when the shapes match: kernels captured in a
-    CUDA graph keep reading the tensor they were captured with."""
+    """``value``, copied in place into ``current`` when the shapes match (kernels captured in a
+    CUDA graph keep reading the tensor they were captured with), else into a tensor of its own:
+    never ``value`` itself, which may be a plan's, changed in place by the next step's staging
+    while whoever holds that plan still reads it."""
     if current is not None and current.shape == value.shape and current.device == value.device:
         return current.copy_(value)
-    return value
+    return value.clone()
 
 
 def with_token_padding_row(plan: StepPlan) -> tuple[torch.Tensor, PagedIndptrs]:

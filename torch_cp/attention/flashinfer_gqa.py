@@ -125,9 +125,9 @@ class _GQAKernels:
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         if plan.is_decode and self._triton_decode:
-            self._table = _kept(self._table, plan.context.table)
-            self._lens = _kept(self._lens, plan.context.lens)
-            self._token_row = _kept(self._token_row, plan.token_row)
+            self._table = staged(self._table, plan.context.table)
+            self._lens = staged(self._lens, plan.context.lens)
+            self._token_row = staged(self._token_row, plan.token_row)
         elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
@@ -168,15 +168,6 @@ class _GQAKernels:
         # v may be a view of the fused q/k/v GEMM's output (fused_linear.py).
         out, lse = self._own.run(q.contiguous(), k.contiguous(), v.contiguous(), return_lse=True)
         return Partial(out, lse)
-
-
-def _kept(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """``value`` copied into ``current`` where the shapes match (captured kernels keep reading
-    it), else into a new tensor: never the plan's own, which whoever holds the plan still
-    reads."""
-    if current is not None and current.shape == value.shape:
-        return current.copy_(value)
-    return value.clone()
 
 
 def _triton_decode_takes(geometry: AttentionGeometry) -> bool:
