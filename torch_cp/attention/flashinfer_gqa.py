@@ -58,7 +58,8 @@ class FlashInferGQABackend(FlashInferBackend):
                  decode_kernel: str | None = None):
         problems = []
         if decode_kernel is None:  # the default, where the Triton kernels take the shapes
-            decode_kernel = DECODE_KERNEL if _triton_decode_takes(geometry) else "flashinfer"
+            decode_kernel = (DECODE_KERNEL if DECODE_KERNEL != "triton"
+                             or _triton_decode_takes(geometry) else "flashinfer")
         if decode_kernel not in ("flashinfer", "triton"):
             problems.append(f"decode_kernel must be 'flashinfer' or 'triton', got "
                             f"{decode_kernel!r}")
