@@ -78,6 +78,9 @@ def main(argv=None) -> dict:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--compile", action="store_true", help="compiled layers (CUDA graphs engine)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, torch backend")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also Hugging Face's first tokens with eager attention against its sdpa "
+                        "ones: how far bf16 rounding alone moves them in this random model")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.batch = args.batch or (2 if args.smoke else 16)
@@ -97,7 +100,13 @@ def main(argv=None) -> dict:
                      **{cache: DynamicCache(config=model.config)}).logits
 
     hf = dict(ms=best_ms(hf_prefill, device, args.iters), **profiled(hf_prefill, device, args.top))
-    first_hf = hf_prefill()[:, -1].argmax(-1).tolist()
+    last_hf = hf_prefill()[:, -1].float()
+    first_hf = last_hf.argmax(-1).tolist()
+    floor = None
+    if args.noise_floor:
+        model.set_attn_implementation("eager")
+        floor = sum(a == b for a, b in zip(hf_prefill()[:, -1].argmax(-1).tolist(), first_hf))
+        model.set_attn_implementation("sdpa")
 
     torch_cp.patch_model(model, backend="torch" if args.smoke else "flashinfer", page_size=PAGE)
     per_row = -(-(args.prompt + 1) // PAGE)
@@ -118,14 +127,22 @@ def main(argv=None) -> dict:
     out = dict(run_header(device), model=args.model, batch=args.batch, prompt=args.prompt,
                compile=args.compile,
                tokens=args.batch * args.prompt, torch_cp=ours, hugging_face=hf,
-               same_first_tokens=sum(a == b for a, b in zip(first_ours, first_hf)))
+               same_first_tokens=sum(a == b for a, b in zip(first_ours, first_hf)),
+               # Where the first tokens differ: Hugging Face's logit of its token less its logit
+               # of ours, over its largest logit (a near-tie is a few bf16 ulps: <= 2**-5).
+               split_gaps=[round((row[a] - row[b]).item() / row[a].abs().item(), 5)
+                           for row, a, b in zip(last_hf, first_hf, first_ours) if a != b],
+               same_first_tokens_hf_eager_attention=floor)
     for name, r in (("torch_cp", ours), ("hugging_face", hf)):
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["by_kind"].items()))
         print(f"{name}: {r['ms']:.1f} ms ({out['tokens'] / r['ms']:.0f} tokens/ms); "
               f"profiled ms by kind: {kinds}")
         for k in r["top"]:
             print(f"  {k['ms']:9.2f} ms {k['calls']:5d}x  {k['kernel']}")
-    print(f"same first token in {out['same_first_tokens']} of {args.batch} rows")
+    print(f"same first token in {out['same_first_tokens']} of {args.batch} rows; where not, "
+          f"Hugging Face's relative logit gap: {out['split_gaps']}")
+    if floor is not None:
+        print(f"Hugging Face with eager attention: the same first token in {floor} rows")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

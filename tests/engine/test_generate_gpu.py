@@ -69,7 +69,8 @@ def test_triton_decode_replayed_gives_the_reference_backends_tokens(monkeypatch)
     fast = torch_cp.patch_model(qwen3().cuda(), backend="flashinfer")
     engine = torch_cp.Engine(fast, num_pages=64, page_size=16, cuda_graphs=True,
                              max_pages_per_row=8, overlap_planning=True)
-    assert tokens(engine.run(prompts(), NEW_TOKENS)) == expected
+    # bf16 summed in another order than the reference's: streams may split at a near-tie only.
+    assert_equal_but_near_ties(qwen3().cuda(), expected, tokens(engine.run(prompts(), NEW_TOKENS)))
     assert engine.replayed_steps >= NEW_TOKENS - 2 and calls
 
 

@@ -30,8 +30,9 @@ CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's decode dispatch
 # every group, CUDA cores only at groups 1-2 (docs/gpu-runs.md).
 TENSOR_CORE_MIN_GROUP = 4
 # Decode steps' kernel: FlashInfer's, or torch_cp's chunked Triton kernels ("triton",
-# triton_decode.py: written to beat FlashInfer's graph-mode decode at short contexts, run 78;
-# not yet run on the GPU, so not the default).
+# triton_decode.py). On an H200 in a CUDA graph (run 81, group 8) the Triton kernels win only at
+# one short row (8.2 against 10.2 us at 1 x 512) and lose at 32-64 rows (21.3 / 39.9 against
+# 16.5 / 28.7 us at 512): FlashInfer stays the default.
 DECODE_KERNEL = "flashinfer"
 
 

@@ -6,9 +6,9 @@ context partial is non-causal over context-only local lengths (a decode step's `
 written first). A multi-token step's own tokens run through a second MLA wrapper, causal, over a
 page-size-1 view of the step's own ``ckv``/``kpe`` (page i is token i: zero copies, prebuilt
 kernels, FA3 on Hopper). Where FlashInfer 0.7.2's causal MLA kernels would drop a key (its query
-tile is not a multiple of the head count, e.g. 20 heads) the own tokens fall back to a chunked
-dense torch kernel, or with ``own_tokens="flashinfer"`` run with the heads padded by zero queries
-to the next power of two, which divides the tile. Padding: see ``flashinfer_common``; what the
+tile is not a multiple of the head count, e.g. 20 heads) the own tokens run with the heads padded
+by zero queries to the next power of two, which divides the tile (exact: run 81), or where that
+does not either, on a chunked dense torch kernel. Padding: see ``flashinfer_common``; what the
 planner accepts: ``mla_planner``.
 """
 
@@ -88,9 +88,9 @@ class FlashInferMLABackend(FlashInferBackend):
         device: a CUDA device.
         dtype: query and pool dtype.
         fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
-        own_tokens: ``"auto"`` (FlashInfer where it plans causal MLA exactly, else torch),
-            ``"flashinfer"`` (also where it does not: heads padded, ``own_token_heads``; torch
-            where padding does not make it exact either) or ``"torch"``.
+        own_tokens: ``"auto"`` (FlashInfer, its heads padded where it would not plan causal MLA
+            exactly, ``own_token_heads``; torch where padding does not make it exact either)
+            or ``"torch"``.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
@@ -101,8 +101,8 @@ class FlashInferMLABackend(FlashInferBackend):
             problems.append(f"geometry kind is {geometry.kind!r}, not 'mla'")
         if geometry.head_dim != geometry.kv_lora_rank + geometry.rope_dim:
             problems.append(f"head_dim {geometry.head_dim} != kv_lora_rank + rope_dim")
-        if own_tokens not in ("auto", "flashinfer", "torch"):
-            problems.append(f"own_tokens must be 'auto', 'flashinfer' or 'torch', "
+        if own_tokens not in ("auto", "torch"):
+            problems.append(f"own_tokens must be 'auto' or 'torch', "
                             f"got {own_tokens!r}")
         if problems:
             raise ValueError("FlashInferMLABackend: " + "; ".join(problems))

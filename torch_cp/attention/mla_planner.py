@@ -99,10 +99,5 @@ def own_token_heads(q_lens: Sequence[int], num_heads: int) -> int | None:
 
 def own_heads_for(own_tokens: str, q_lens: Sequence[int], num_heads: int) -> int | None:
     """The heads a step's own tokens run with on FlashInfer under the backend's ``own_tokens``
-    (``"auto"``: only where causal MLA is exact as it is; ``"flashinfer"``: padded where
-    needed); None where they run on torch."""
-    if own_tokens == "flashinfer":
-        return own_token_heads(q_lens, num_heads)
-    if own_tokens == "auto" and causal_mla_on_flashinfer(q_lens, num_heads):
-        return num_heads
-    return None
+    (``"auto"``: padded where needed, ``own_token_heads``); None where they run on torch."""
+    return own_token_heads(q_lens, num_heads) if own_tokens == "auto" else None
