@@ -4,9 +4,9 @@
 compiles each copy: an engine for Qwen3-8B's 36 layers took 130 s to set up on the H200, one
 for the 8B MLA model more than 150 s. Compiling each decoder layer instead lets the layers share
 their compiled graphs (the first layer's static shapes, the symbolic layer index, dynamic
-shapes, one row specialised: at most four, twice where a model mixes two kinds of layer, as
-DeepSeek's dense and MoE layers), and both engines are ready in 15 s (BENCHMARKS.md, runs
-20-22).
+shapes, one row specialised, and again for eager steps of fresh rows, which skip the context:
+at most six, twice where a model mixes two kinds of layer, as DeepSeek's dense and MoE
+layers), and both engines are ready in 15 s (BENCHMARKS.md, runs 20-22).
 
 Two things make the layers share: the layer index, an int attribute that Dynamo would otherwise
 specialise on (one graph per layer), is traced as a symbol (``allow_unspec_int_on_nn_module``);

@@ -91,6 +91,9 @@ class StepPlan:
         qo_indptr_host: [B + 1] int32 on the host.
         is_decode: every real row adds exactly one token and there is no token padding; the step
             attends the pool only. Otherwise rows also attend their own tokens causally.
+        attends_context: some row attends cached KV (every decode step and every captured
+            step, whose replays may). False only for an eager multi-token step of fresh rows
+            (a first prefill chunk), whose attention is its own tokens' alone.
         page_size, local_page_size, sink_page: pool geometry.
         placement: the partner this plan was built for.
         token_index: [num_tokens] int64 index of each real token in the model's flattened
@@ -126,6 +129,7 @@ class StepPlan:
     state_slots: torch.Tensor | None = None
     state_fresh: torch.Tensor | None = None
     state_sink_slot: int | None = None
+    attends_context: bool = True
 
     @property
     def page_ids(self) -> torch.Tensor:
@@ -270,4 +274,5 @@ def build_step_plan(
         state_slots=slots_d[0] if slots_d else None,
         state_fresh=slots_d[1] if slots_d else None,
         state_sink_slot=None if state_slots is None else sink_slot,
+        attends_context=is_decode or bucket is not None or any(int(c) > 0 for c in ctx_lens),
     )

@@ -164,7 +164,9 @@ def test_eager_steps_run_the_compiled_layers_at_every_length(family):
     """``Engine(compile=True)`` runs the steps no bucket fits (long prefills) through the
     compiled layers too, entering ``compiled_layers`` per step: logits equal eager for steps of
     different rows and lengths, and after a step of a second length (Dynamo then compiles a
-    dynamic token dimension) further lengths compile nothing new."""
+    dynamic token dimension) further lengths compile nothing new. The first two steps are of
+    fresh rows, which attend their own tokens only (``plan.attends_context``); the first step
+    with cached context compiles once more, its token dimension already dynamic."""
     model = _deep_model(family)
     cache = torch_cp.PagedKVCache.for_model(model, num_pages=40, page_size=PAGE)
     steps = [  # (rows, page tables): prompts, chunks after a context, a mixed step
@@ -196,7 +198,9 @@ def test_eager_steps_run_the_compiled_layers_at_every_length(family):
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, **TOL)
     assert graphs[0] >= 1, "the first step ran the compiled layers"
-    assert graphs[1:] == [graphs[1]] * 3, f"a length after the second compiled again: {graphs}"
+    # At most one more graph per kind of layer (those the first step compiled).
+    assert graphs[2] - graphs[1] <= graphs[0] and graphs[3] == graphs[2], \
+        f"a length after the second compiled again: {graphs}"
     _, after = run(compile=False)
     assert after == [graphs[-1]] * 4, "eager when compile is off"
 

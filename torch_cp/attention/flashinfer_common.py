@@ -5,9 +5,10 @@ Padding: the step plan gives padding rows no pages, so no kernel ever reads the 
 padding and non-owned tokens are written). Token padding past the last real row becomes one
 extra row of a multi-token step's plans (kv length 0 for the context, its own zeroed K/V for the
 own tokens), so ``q.shape[0]`` equals the plan's token count, as FlashInfer requires and CUDA
-graphs need. The own tokens' K/V of padding tokens are zeroed before the kernel: FA3 loads
-key/value tiles past a row's end and multiplies them by zero probabilities, which turns NaN there
-into NaN in the row. Outputs of padding tokens are unspecified and reach no real row.
+graphs need. The own tokens' K/V of padding tokens (where a step may hold any, ``has_padding``)
+are zeroed before the kernel: FA3 loads key/value tiles past a row's end and multiplies them by
+zero probabilities, which turns NaN there into NaN in the row. Outputs of padding tokens are
+unspecified and reach no real row.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def with_token_padding_row(plan: StepPlan) -> tuple[torch.Tensor, PagedIndptrs]:
     zero = ctx.lens.new_zeros(1)
     return qo, PagedIndptrs(torch.cat((ctx.lens, zero)), torch.cat((ctx.indptr, ctx.indptr[-1:])),
                             ctx.indices, torch.cat((ctx.last_page_len, zero)), ctx.table)
+
+
+def has_padding(plan: StepPlan) -> bool:
+    """Whether a step may hold padding tokens: a captured one always (its replays may), an
+    eager one where it has tokens past its real ones (host shapes only, no sync)."""
+    return plan.bucket is not None or plan.positions.shape[0] > plan.num_tokens
 
 
 def real_token_mask(plan: StepPlan) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch_cp.attention.backend import AttentionGeometry
 from torch_cp.attention.flashinfer_common import (
     FlashInferBackend,
     PlanFence,
+    has_padding,
     real_token_mask,
     staged,
     with_token_padding_row,
@@ -147,7 +148,8 @@ class _GQAKernels:
             self._own.plan(qo, qo, g.q_heads, g.kv_heads, g.head_dim, head_dim_vo=g.head_dim_v,
                            causal=True, **common)
             self._fences["own"].mark()
-            self._padding = staged(self._padding, ~real_token_mask(plan).view(-1, 1, 1))
+            self._padding = (staged(self._padding, ~real_token_mask(plan).view(-1, 1, 1))
+                             if has_padding(plan) else None)
         self._is_decode = plan.is_decode
 
     def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
@@ -165,8 +167,9 @@ class _GQAKernels:
     def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
         """q [N, q_heads, D] over the step's own tokens of its row, causally."""
         assert not self._is_decode, "run_own() needs a planned multi-token step"
-        k = k.masked_fill(self._padding, 0)
-        v = v.masked_fill(self._padding, 0)
+        if self._padding is not None:
+            k = k.masked_fill(self._padding, 0)
+            v = v.masked_fill(self._padding, 0)
         # v may be a view of the fused q/k/v GEMM's output (fused_linear.py).
         out, lse = self._own.run(q.contiguous(), k.contiguous(), v.contiguous(), return_lse=True)
         return Partial(out, lse)

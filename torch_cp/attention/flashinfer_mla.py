@@ -23,6 +23,7 @@ from torch_cp.attention.backend import AttentionGeometry
 from torch_cp.attention.flashinfer_common import (
     FlashInferBackend,
     PlanFence,
+    has_padding,
     real_token_mask,
     staged,
     with_token_padding_row,
@@ -188,7 +189,8 @@ class _MLAKernels:
         self._own_heads = own_heads
         if not plan.is_decode:  # in place: captured kernels keep reading these tensors
             self._real = staged(self._real, real_token_mask(plan))
-            self._padding = staged(self._padding, ~self._real.unsqueeze(-1))
+            self._padding = (staged(self._padding, ~self._real.unsqueeze(-1))
+                             if has_padding(plan) else None)
             self._token_row = staged(self._token_row, plan.token_row)
             if self._eager:  # a captured step's rows change between replays: no host bounds
                 self._bounds = plan.qo_indptr_host[: plan.num_rows + 1].tolist()
@@ -213,8 +215,9 @@ class _MLAKernels:
         if self._own_heads is None:
             return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale,
                                  bounds=self._bounds)
-        ckv = k.masked_fill(self._padding, 0).unsqueeze(1)  # [N, 1, R]: page i holds token i
-        kpe = v.masked_fill(self._padding, 0).unsqueeze(1)
+        if self._padding is not None:
+            k, v = k.masked_fill(self._padding, 0), v.masked_fill(self._padding, 0)
+        ckv, kpe = k.unsqueeze(1), v.unsqueeze(1)  # [N, 1, R]: page i holds token i
         heads = q.shape[1]
         if self._own_heads > heads:  # zero queries in the extra heads
             q = torch.nn.functional.pad(q, (0, 0, 0, self._own_heads - heads))

@@ -25,8 +25,9 @@ class ContextParallelAttention(nn.Module):
     (TP mode: for every partner's query heads); the partials are exchanged and merged exactly.
     A decode step's rows attend the pool after their token is written. Other steps attend the
     cached context from the pool and their own tokens causally from the K/V passed in, and the two
-    partials merge once. The backend's kernels run as custom ops (``torch_cp.attention.ops``), so
-    the whole forward compiles.
+    partials merge once; a step with no cached context (``plan.attends_context``, the same on
+    every partner) attends its own tokens only, with no exchange. The backend's kernels run as
+    custom ops (``torch_cp.attention.ops``), so the whole forward compiles.
     """
 
     def __init__(self, layer_idx: int, backend: AttentionBackend, exchange: Exchange):
@@ -49,6 +50,8 @@ class ContextParallelAttention(nn.Module):
             [N, H, Dv] attention output (MLA: in latent space, before W_UV).
         """
         pool.write(self.layer_idx, k, v, plan.write_index)
+        if not plan.attends_context:  # merging an empty context partial would change nothing
+            return own_partial(q, k, v, self.handle)[0]
         placement = self.exchange.placement
         tp_mode = placement.size > 1 and placement.mode == "tp"
         q_context = self.exchange.gather_heads(q) if tp_mode else q
