@@ -12,10 +12,13 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
 - ``fa3``: the tensor-core path on FlashInfer's SM90 (FA3) prefill kernel;
 - ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes);
 - ``triton``: torch_cp's chunked Triton kernels (``torch_cp/attention/triton_decode.py``), with
-  the work items a captured step of these rows gets.
+  the work items a captured step of these rows gets; ``--triton B:W:P[:S],...`` adds a variant
+  per tile (context tokens a tile, warps, programs an SM, pipeline stages), for tuning.
 
 Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
-another order). KV bytes over the time set against the copy bandwidth of the same run.
+another order). KV bytes over the time set against the copy bandwidth of the same run. A KV that
+fits the 50 MB L2 replays from it; inside a step the layers between evict it. ``--layers L``
+times L layers' KV in turn (each its own tensor) and reports the time a layer.
 """
 
 from __future__ import annotations
@@ -35,28 +38,30 @@ SIZES = ("1x512", "1x4096", "32x512", "64x512", "32x4096", "64x4096", "32x512+32
 VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores", "triton")
 
 
-def decode_variant(name: str, shape: dict, lens: list[int], kv: torch.Tensor, q: torch.Tensor,
+def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
                    workspace: torch.Tensor):
     """A planned graph-ready wrapper for ``name`` over rows of ``lens`` tokens, and the call
-    that runs it."""
+    that runs it on a layer's KV (``triton_B_W_P_S``: the Triton kernels at that tile)."""
     device = q.device
     batch = len(lens)
     pages = [-(-n // PAGE) for n in lens]
     i32 = dict(dtype=torch.int32, device=device)
     order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(0)).to(**i32)
     indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    if name == "triton":
+    if name.startswith("triton"):
         from torch_cp.attention import triton_decode
 
+        block, warps, per_sm, stages = triton_tile(name)
         table = torch.zeros(batch, max(pages), **i32)  # padded with page 0, never read
         for row, (a, b) in enumerate(zip(indptr.tolist(), indptr[1:].tolist())):
             table[row, : b - a] = order[a:b]
         rows = torch.arange(batch, device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        spare = triton_decode.spare_items(batch, shape["kv_heads"], sms)
+        spare = triton_decode.spare_items(batch, shape["kv_heads"], sms, per_sm)
         scale = shape["head_dim"] ** -0.5
         row_lens = torch.tensor(lens, **i32)
-        return lambda: triton_decode.decode(q, kv, table, row_lens, rows, scale, spare)
+        return lambda kv: triton_decode.decode(q, kv, table, row_lens, rows, scale, spare,
+                                               block, warps, stages)
     import flashinfer
 
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lens, pages)], dtype=torch.int32)
@@ -69,7 +74,18 @@ def decode_variant(name: str, shape: dict, lens: list[int], kv: torch.Tensor, q:
     extra = {"disable_split_kv": True} if name == "fa2_no_split" else {}
     wrapper.plan(indptr, order, last, shape["q_heads"], shape["kv_heads"], shape["head_dim"],
                  PAGE, q_data_type=DTYPE, kv_data_type=DTYPE, **extra)
-    return lambda: wrapper.run(q, kv, return_lse=True)
+    return lambda kv: wrapper.run(q, kv, return_lse=True)
+
+
+def triton_tile(name: str) -> tuple:
+    """``"triton"``: the module's defaults; ``"triton_B_W_P_S"``: block, warps, programs an SM,
+    stages (0: Triton's default)."""
+    from torch_cp.attention import triton_decode
+
+    if name == "triton":
+        return triton_decode.BLOCK_N, None, triton_decode.PROGRAMS_PER_SM, None
+    block, warps, per_sm, stages = map(int, name.split("_")[1:])
+    return block, warps, per_sm, stages or None
 
 
 def row_lengths(case: str) -> list[int]:
@@ -80,25 +96,26 @@ def row_lengths(case: str) -> list[int]:
     return [ctx] * (batch - 1) + [int(longest) if longest else ctx]
 
 
-def run_case(shape: dict, lens: list[int], copy_bw: float, device) -> dict:
+def run_case(shape: dict, lens: list[int], copy_bw: float, device, variants=VARIANTS,
+             layers: int = 1) -> dict:
     pages = sum(-(-n // PAGE) for n in lens)
-    kv = torch.empty(pages, 2, PAGE, shape["kv_heads"], shape["head_dim"], dtype=DTYPE,
-                     device=device).normal_()
+    kvs = [torch.empty(pages, 2, PAGE, shape["kv_heads"], shape["head_dim"], dtype=DTYPE,
+                       device=device).normal_() for _ in range(layers)]
     q = torch.randn(len(lens), shape["q_heads"], shape["head_dim"], dtype=DTYPE, device=device)
     kv_bytes = sum(lens) * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE.itemsize
     rec = dict(batch=len(lens), ctx=lens[0], longest=max(lens), kv_bytes=kv_bytes,
                roofline_us=kv_bytes / copy_bw * 1e6, variants={})
     want = None
-    for name in VARIANTS:
+    for name in variants:
         workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
         try:
-            run = decode_variant(name, shape, lens, kv, q, workspace)
-            out, lse = run()
+            layer = decode_variant(name, shape, lens, q, workspace)
+            out, lse = layer(kvs[0])
             if want is None:
                 want = (out.clone(), lse.clone())
             err = (out.float() - want[0].float()).abs().max().item()
             lse_err = (lse - want[1]).abs().max().item()
-            us = graph_time_ms(run, device) * 1e3
+            us = graph_time_ms(lambda layer=layer: [layer(kv) for kv in kvs], device) * 1e3 / layers
             rec["variants"][name] = dict(us=us, max_err=err, lse_err=lse_err,
                                          ok=err <= 2e-2 and lse_err <= 1e-3)
         except Exception as error:  # noqa: BLE001  (a variant FlashInfer refuses here)
@@ -112,17 +129,25 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="gqa,gqa8")
     ap.add_argument("--sizes", default=None,
                     help="rows x context cases, e.g. '1x512,32x512,32x512+32768'")
+    ap.add_argument("--triton", default="",
+                    help="more Triton tiles, 'block:warps:programs_per_sm[:stages],...'")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers' KV timed in turn (4 puts 32 x 512 of Qwen3-30B-A3B past L2)")
     args = ap.parse_args(argv)
+    variants = VARIANTS + tuple("triton_" + "_".join((t.split(":") + ["0"])[:4])
+                                for t in args.triton.split(",") if t)
     device = torch.device("cuda")
     torch.manual_seed(0)
     results = Results(args.out, run_header(device))
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
+    results.data["layers"] = args.layers
     rows = []
     for shape_name in args.shapes.split(","):
         for case in args.sizes.split(",") if args.sizes else SIZES:
             rec = results.add(shape=shape_name, case=case,
-                              **run_case(SHAPES[shape_name], row_lengths(case), copy_bw, device))
+                              **run_case(SHAPES[shape_name], row_lengths(case), copy_bw, device,
+                                         variants, args.layers))
             row = {"shape": shape_name, "rows x context": case,
                    "roofline us": rec["roofline_us"]}
             for name, v in rec["variants"].items():

@@ -59,7 +59,8 @@ def reference(q, kv, table, lens, token_row, scale):
     pytest.param([1500, 3, 5, 0, 2], 40, id="many-chunks"),  # 24: merged in several blocks
     pytest.param([0, 0, 0, 0, 0], 4, id="no-context"),
 ])
-def test_decode_equals_dense_attention(lens, spare):
+@pytest.mark.parametrize("block_n", [td.BLOCK_N, 16], ids=["default-tile", "tile16"])
+def test_decode_equals_dense_attention(lens, spare, block_n):
     kv, table = pool_and_tables(lens)
     token_row = torch.tensor([0, 1, 2, 3, 4, -1])  # a padding token last
     q = torch.randn(len(token_row), KV_HEADS * GROUP, DIM,
@@ -67,7 +68,7 @@ def test_decode_equals_dense_attention(lens, spare):
     want = reference(q, kv, table, lens, token_row, 0.25)
     out, lse = td.decode(q.to(DEVICE), kv.to(DEVICE), table.to(DEVICE),
                          torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                         token_row.to(DEVICE), 0.25, spare)
+                         token_row.to(DEVICE), 0.25, spare, block_n, warps=2)
     real = torch.tensor([n > 0 for n in lens] + [False])
     torch.testing.assert_close(out.cpu()[real], want.out[real], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse.cpu()[real], want.lse[real], atol=1e-4, rtol=1e-4)
@@ -80,4 +81,5 @@ def test_spare_items_fill_the_device_and_hold_every_token():
     assert td.spare_items(tokens=1, kv_heads=8, sms=132) == 66
     assert td.spare_items(tokens=32, kv_heads=4, sms=132) == 132
     assert td.spare_items(tokens=512, kv_heads=8, sms=132) == 512
+    assert td.spare_items(tokens=1, kv_heads=8, sms=132, programs_per_sm=2) == 33
     assert td.supported(128, 8) and not td.supported(96, 8) and not td.supported(128, 128)

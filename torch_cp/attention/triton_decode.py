@@ -141,14 +141,16 @@ def supported(head_dim: int, group: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and 1 <= group <= 64
 
 
-def spare_items(tokens: int, kv_heads: int, sms: int) -> int:
-    """Work items a KV head gets beyond one a token: enough for ``PROGRAMS_PER_SM`` programs an
+def spare_items(tokens: int, kv_heads: int, sms: int,
+                programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Work items a KV head gets beyond one a token: enough for ``programs_per_sm`` programs an
     SM, and at least the tokens (so every token's chunks fit: see ``decode``)."""
-    return max(tokens, -(-PROGRAMS_PER_SM * sms // kv_heads))
+    return max(tokens, -(-programs_per_sm * sms // kv_heads))
 
 
 def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
-           lens: torch.Tensor, token_row: torch.Tensor, scale: float, spare: int
+           lens: torch.Tensor, token_row: torch.Tensor, scale: float, spare: int,
+           block_n: int = BLOCK_N, warps: int | None = None, stages: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's attention over its row's context in the pool.
 
@@ -160,6 +162,9 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
         scale: the softmax scale; spare: ``spare_items`` for the step's shape. The chunk size is
             at least the context over ``spare``, so the chunks number at most ``N + spare``
             (one partial chunk a token), the items each KV head has.
+        block_n, warps, stages: the attend kernel's context tokens a tile (a power of two, 16
+            up), warps (default: 8 from head_dim 128, else 4) and pipeline stages (Triton's
+            default); for tuning (``benchmarks/decode_kernels.py --triton``).
     Returns:
         out [N, H, D] in q's dtype, lse [N, H] float32 base 2 (0 and -inf without context).
     """
@@ -178,13 +183,13 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
         q_nhd, kv_layer, table, lens, token_row, part_o, part_ml, scale * LOG2E, n, spare, items,
         q_nhd.stride(0), q_nhd.stride(1), kv_layer.stride(0), kv_layer.stride(1),
         kv_layer.stride(2), kv_layer.stride(3), table.stride(0), G=group,
-        GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2], BLOCK=BLOCK_N,
+        GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2], BLOCK=block_n,
         NP=tokens_p2, FP32_DOT=INTERPRETED or q_nhd.dtype == torch.float32,
         # 8 warps from head_dim 128: 164-241 registers a thread on sm_90, where 4 warps take
-        # 238-254 and spill at 256 (helper 40's resource usage; not timed yet).
-        num_warps=8 if dim >= 128 else 4)
+        # 238-254 and spill at 256 (helper 40's resource usage at BLOCK_N 64).
+        num_warps=warps or (8 if dim >= 128 else 4), **({"num_stages": stages} if stages else {}))
     _merge[(n, heads)](
         lens, token_row, part_o, part_ml, out, lse, n, spare, items, out.stride(0),
-        out.stride(1), heads, G=group, D=dim, BLOCK=BLOCK_N, NP=tokens_p2, SP=MERGE_BLOCK,
+        out.stride(1), heads, G=group, D=dim, BLOCK=block_n, NP=tokens_p2, SP=MERGE_BLOCK,
         num_warps=4)
     return out, lse
