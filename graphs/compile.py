@@ -25,7 +25,7 @@ import torch
 from torch_cp import compat
 from torch_cp.layers import decoder_layers
 
-# Graphs the capture may compile: up to eight as above, and more for mixed buckets; Dynamo's
+# Graphs the capture may compile: up to twelve as above, and more for mixed buckets; Dynamo's
 # default limit of 8 would fail the capture. Dynamo counts per code object over the process,
 # and every transformers decoder layer runs the same one, so a process that compiles several
 # models adds their graphs up toward it.

@@ -139,11 +139,12 @@ class _GQAKernels:
             self._fences["decode"].mark()
         else:
             qo, ctx = with_token_padding_row(plan)
-            self._fences["context"].wait()
-            self._context.plan(qo, ctx.indptr, indices, ctx.last_page_len, g.context_q_heads,
-                               g.kv_heads, g.head_dim, plan.local_page_size, causal=False,
-                               **common)
-            self._fences["context"].mark()
+            if plan.attends_context:  # a step of fresh rows runs its own tokens only
+                self._fences["context"].wait()
+                self._context.plan(qo, ctx.indptr, indices, ctx.last_page_len,
+                                   g.context_q_heads, g.kv_heads, g.head_dim,
+                                   plan.local_page_size, causal=False, **common)
+                self._fences["context"].mark()
             self._fences["own"].wait()
             self._own.plan(qo, qo, g.q_heads, g.kv_heads, g.head_dim, head_dim_vo=g.head_dim_v,
                            causal=True, **common)

@@ -176,13 +176,15 @@ class _MLAKernels:
             qo, ctx = with_token_padding_row(plan)
         q_lens_t = (qo[1:] - qo[:-1]).to(torch.int32)
         q_lens = q_lens_t.tolist()
-        check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
+        if plan.attends_context:  # a step of fresh rows runs its own tokens only
+            check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
         own_heads = None if plan.is_decode else own_heads_for(self.own_tokens, q_lens, g.q_heads)
         if own_heads:
             check_mla_work_items(q_lens, own_heads, self.num_sms, plan.num_rows)
-        name = "decode" if plan.is_decode else "context"
-        self._plan_wrapper(name, qo, ctx.indptr, ctx.indices, ctx.lens, g.context_q_heads,
-                           plan.local_page_size, causal=False)
+        if plan.attends_context:
+            name = "decode" if plan.is_decode else "context"
+            self._plan_wrapper(name, qo, ctx.indptr, ctx.indices, ctx.lens, g.context_q_heads,
+                               plan.local_page_size, causal=False)
         if own_heads:
             tokens = torch.arange(int(qo[-1]), dtype=torch.int32)
             self._plan_wrapper("own", qo, qo, tokens, q_lens_t, own_heads, 1, causal=True)
