@@ -222,7 +222,11 @@ class _MLAKernels:
         ckv, kpe = k.unsqueeze(1), v.unsqueeze(1)  # [N, 1, R]: page i holds token i
         heads = q.shape[1]
         if self._own_heads > heads:  # zero queries in the extra heads
-            q = torch.nn.functional.pad(q, (0, 0, 0, self._own_heads - heads))
+            # Not F.pad, which fills every head with zeros before copying q over most of them.
+            padded = q.new_empty(q.shape[0], self._own_heads, q.shape[2])
+            padded[:, :heads] = q
+            padded[:, heads:] = 0
+            q = padded
         out, lse = self._wrappers["own"].run(query=self._split(q), kv_cache=(ckv, kpe),
                                              return_lse=True)
         return Partial(out[:, :heads], lse[:, :heads])
