@@ -107,7 +107,7 @@ class _GQAKernels:
         self._own = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=graph, **buffers.get("own", {}))
         self._fences = {name: PlanFence(backend.device) for name in ("decode", "context", "own")}
-        self._is_decode = True
+        self._is_decode = self._attends_context = True
         self._padding: torch.Tensor | None = None  # [N, 1, 1] tokens of no real row
         self._triton_decode = None
         if backend.decode_kernel == "triton":
@@ -151,11 +151,12 @@ class _GQAKernels:
             self._fences["own"].mark()
             self._padding = (staged(self._padding, ~real_token_mask(plan).view(-1, 1, 1))
                              if has_padding(plan) else None)
-        self._is_decode = plan.is_decode
+        self._is_decode, self._attends_context = plan.is_decode, plan.attends_context
 
     def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
                     ) -> Partial:
         """q [N, context_q_heads, head_dim] over this partner's slots -> Partial [N, H, D]."""
+        assert self._attends_context, "a step of fresh rows plans no context kernel"
         if self._is_decode and self._triton_decode:
             td, kv = self._triton_decode, caches[0][layer_idx]
             spare = td.spare_items(q.shape[0], kv.shape[3], self._num_sms)

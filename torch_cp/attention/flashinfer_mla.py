@@ -146,7 +146,7 @@ class _MLAKernels:
                 backend=backend.fa_backend, **buffers.get(name, {}))
             for name in ("decode", "context", "own")}
         self._fences = {name: PlanFence(backend.device) for name in self._wrappers}
-        self._is_decode = True
+        self._is_decode = self._attends_context = True
         self._own_heads: int | None = None  # the own tokens' heads on FlashInfer; None: torch
         self._real: torch.Tensor | None = None  # [N] tokens of real rows
         self._padding: torch.Tensor | None = None  # [N, 1] the others
@@ -196,7 +196,7 @@ class _MLAKernels:
             self._token_row = staged(self._token_row, plan.token_row)
             if self._eager:  # a captured step's rows change between replays: no host bounds
                 self._bounds = plan.qo_indptr_host[: plan.num_rows + 1].tolist()
-        self._is_decode = plan.is_decode
+        self._is_decode, self._attends_context = plan.is_decode, plan.attends_context
 
     def _split(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.geometry.kv_lora_rank
@@ -205,6 +205,7 @@ class _MLAKernels:
     def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
                     ) -> Partial:
         """q [N, context_q_heads, R + rope] over this partner's slots -> Partial [N, H, R]."""
+        assert self._attends_context, "a step of fresh rows plans no context kernel"
         wrapper = self._wrappers["decode" if self._is_decode else "context"]
         ckv, kpe = caches
         out, lse = wrapper.run(query=self._split(q), kv_cache=(ckv[layer_idx], kpe[layer_idx]),
