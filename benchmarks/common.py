@@ -64,6 +64,44 @@ def apply_inductor_settings(text: str) -> dict:
     return settings
 
 
+DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', or 'triton:B:W:P[:S]' "
+                      "(the Triton kernels at a tile: context tokens a block, warps, programs an "
+                      "SM, pipeline stages; decode_kernels --triton sweeps them)")
+
+
+def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
+    """``"B:W:P[:S]"`` -> (block, warps, programs an SM, stages or None)."""
+    parts = spec.split(":")
+    try:
+        block, warps, per_sm, *rest = map(int, parts)
+    except ValueError:
+        raise SystemExit(f"a Triton tile is 'B:W:P[:S]' in integers, got {spec!r}") from None
+    if len(rest) > 1 or block < 16 or block & (block - 1) or warps < 1 or per_sm < 1:
+        raise SystemExit(f"a Triton tile is 'B:W:P[:S]' with B a power of two from 16, got "
+                         f"{spec!r}")
+    return block, warps, per_sm, (rest[0] or None) if rest else None
+
+
+def apply_decode_kernel(spec: str | None) -> str:
+    """Set torch_cp's GQA decode kernel from ``--decode-kernel`` (``DECODE_KERNEL_HELP``) and
+    return what the results record."""
+    if not spec:
+        return "flashinfer"
+    kind, _, tile = spec.partition(":")
+    if kind not in ("flashinfer", "triton") or (tile and kind != "triton"):
+        raise SystemExit(f"--decode-kernel: {DECODE_KERNEL_HELP}; got {spec!r}")
+    values = triton_tile(tile) if tile else None  # refused before anything is set
+    from torch_cp.attention import flashinfer_gqa
+
+    flashinfer_gqa.DECODE_KERNEL = kind
+    if values:
+        from torch_cp.attention import triton_decode
+
+        (triton_decode.BLOCK_N, triton_decode.WARPS, triton_decode.PROGRAMS_PER_SM,
+         triton_decode.STAGES) = values
+    return spec
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

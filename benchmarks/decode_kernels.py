@@ -27,7 +27,14 @@ import argparse
 
 import torch
 
-from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table
+from benchmarks.common import (
+    Results,
+    copy_bandwidth,
+    graph_time_ms,
+    run_header,
+    table,
+    triton_tile,
+)
 
 PAGE = 16
 DTYPE = torch.bfloat16
@@ -41,7 +48,7 @@ VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores", "triton")
 def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
                    workspace: torch.Tensor):
     """A planned graph-ready wrapper for ``name`` over rows of ``lens`` tokens, and the call
-    that runs it on a layer's KV (``triton_B_W_P_S``: the Triton kernels at that tile)."""
+    that runs it on a layer's KV (``triton:B:W:P[:S]``: the Triton kernels at that tile)."""
     device = q.device
     batch = len(lens)
     pages = [-(-n // PAGE) for n in lens]
@@ -51,7 +58,7 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
     if name.startswith("triton"):
         from torch_cp.attention import triton_decode
 
-        block, warps, per_sm, stages = triton_tile(name)
+        block, warps, per_sm, stages = variant_tile(name)
         table = torch.zeros(batch, max(pages), **i32)  # padded with page 0, never read
         for row, (a, b) in enumerate(zip(indptr.tolist(), indptr[1:].tolist())):
             table[row, : b - a] = order[a:b]
@@ -77,15 +84,9 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
     return lambda kv: wrapper.run(q, kv, return_lse=True)
 
 
-def triton_tile(name: str) -> tuple:
-    """``"triton"``: the module's defaults; ``"triton_B_W_P_S"``: block, warps, programs an SM,
-    stages (0: Triton's default)."""
-    from torch_cp.attention import triton_decode
-
-    if name == "triton":
-        return triton_decode.BLOCK_N, None, triton_decode.PROGRAMS_PER_SM, None
-    block, warps, per_sm, stages = map(int, name.split("_")[1:])
-    return block, warps, per_sm, stages or None
+def variant_tile(name: str) -> tuple:
+    """``"triton"``: the module's tile (None each); ``"triton:B:W:P[:S]"``: that tile."""
+    return (None,) * 4 if name == "triton" else triton_tile(name.partition(":")[2])
 
 
 def row_lengths(case: str) -> list[int]:
@@ -134,8 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=1,
                     help="layers' KV timed in turn (4 puts 32 x 512 of Qwen3-30B-A3B past L2)")
     args = ap.parse_args(argv)
-    variants = VARIANTS + tuple("triton_" + "_".join((t.split(":") + ["0"])[:4])
-                                for t in args.triton.split(",") if t)
+    variants = VARIANTS + tuple(f"triton:{t}" for t in args.triton.split(",") if t)
+    for name in variants[len(VARIANTS):]:
+        variant_tile(name)  # a malformed tile exits before any timing
     device = torch.device("cuda")
     torch.manual_seed(0)
     results = Results(args.out, run_header(device))

@@ -47,8 +47,10 @@ import torch
 import torch_cp
 from benchmarks import models, peers
 from benchmarks.common import (
+    DECODE_KERNEL_HELP,
     Budget,
     Results,
+    apply_decode_kernel,
     apply_inductor_settings,
     copy_bandwidth,
     free_cuda,
@@ -343,14 +345,10 @@ def main(argv=None) -> int:
                     help="Inductor settings for every compiled system, 'name=value,...' (e.g. "
                          "'max_autotune=True,coordinate_descent_tuning=True'): torch_cp's layers "
                          "and the peers' compiled forwards alike")
-    ap.add_argument("--decode-kernel", choices=("flashinfer", "triton"), default=None,
-                    help="torch_cp's GQA decode kernel (torch_cp.attention.flashinfer_gqa)")
+    ap.add_argument("--decode-kernel", help=DECODE_KERNEL_HELP)
     args = ap.parse_args(argv)
     inductor = apply_inductor_settings(args.inductor)
-    if args.decode_kernel:
-        from torch_cp.attention import flashinfer_gqa
-
-        flashinfer_gqa.DECODE_KERNEL = args.decode_kernel
+    decode_kernel = apply_decode_kernel(args.decode_kernel)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -359,7 +357,7 @@ def main(argv=None) -> int:
     results.data["plan"] = args.plan
     results.data["experts"] = args.experts
     results.data["inductor"] = inductor
-    results.data["decode_kernel"] = args.decode_kernel or "flashinfer"
+    results.data["decode_kernel"] = decode_kernel
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
     results.data["versions"]["flash-linear-attention"] = fla_version()

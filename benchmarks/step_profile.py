@@ -21,7 +21,15 @@ import torch
 
 import torch_cp
 from benchmarks import models
-from benchmarks.common import apply_inductor_settings, kernel_times, run_header, sync, time_ms
+from benchmarks.common import (
+    DECODE_KERNEL_HELP,
+    apply_decode_kernel,
+    apply_inductor_settings,
+    kernel_times,
+    run_header,
+    sync,
+    time_ms,
+)
 
 PAGE = 16
 
@@ -154,18 +162,14 @@ def main() -> None:
     p.add_argument("--tokens", choices=("same", "distinct"), default="same",
                    help="the rows' input tokens: one id for all (a MoE step routes every row to "
                         "the same experts) or a different id a row (routing spread as in serving)")
-    p.add_argument("--decode-kernel", choices=("flashinfer", "triton"), default=None,
-                   help="GQA decode steps' kernel (torch_cp.attention.flashinfer_gqa)")
+    p.add_argument("--decode-kernel", help=DECODE_KERNEL_HELP)
     p.add_argument("--inductor", default="",
                    help="torch._inductor.config settings, 'name=value,...' (with --compile)")
     args = p.parse_args()
     inductor = apply_inductor_settings(args.inductor)
     device = torch.device("cuda")
     model = models.build(args.model, device, torch.bfloat16)
-    if args.decode_kernel:
-        from torch_cp.attention import flashinfer_gqa
-
-        flashinfer_gqa.DECODE_KERNEL = args.decode_kernel
+    decode_kernel = apply_decode_kernel(args.decode_kernel)
     torch_cp.patch_model(model, backend="flashinfer", page_size=PAGE)
     width = -(-(args.context + 1) // PAGE)
     start = time.perf_counter()
@@ -193,7 +197,7 @@ def main() -> None:
         gaps = dict(error=repr(error))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
                compiled=args.compile, tokens=args.tokens,
-               decode_kernel=args.decode_kernel or "flashinfer", inductor=inductor,
+               decode_kernel=decode_kernel, inductor=inductor,
                setup_s=setup_s,
                host_phases_ms=host,
                step_ms=step_ms, replay_only_ms=replay_ms, kernel_ms=kernel_ms,

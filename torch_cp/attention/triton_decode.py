@@ -27,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+# The tile, read at each call (so a benchmark can set another: decode_kernels --triton).
 BLOCK_N = 64  # context tokens a program multiplies at a time
 PROGRAMS_PER_SM = 4  # work items a step aims for, per SM
+WARPS: int | None = None  # the attend kernel's warps; None: 8 from head_dim 128, else 4
+STAGES: int | None = None  # its loop's pipeline stages; None: Triton's default
 MERGE_BLOCK = 16  # chunks the merge combines at a time
 LOG2E = 1.0 / math.log(2.0)
 # Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot wrongly: there they go as fp32.
@@ -141,16 +144,17 @@ def supported(head_dim: int, group: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and 1 <= group <= 64
 
 
-def spare_items(tokens: int, kv_heads: int, sms: int,
-                programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+def spare_items(tokens: int, kv_heads: int, sms: int, programs_per_sm: int | None = None
+                ) -> int:
     """Work items a KV head gets beyond one a token: enough for ``programs_per_sm`` programs an
-    SM, and at least the tokens (so every token's chunks fit: see ``decode``)."""
-    return max(tokens, -(-programs_per_sm * sms // kv_heads))
+    SM (default ``PROGRAMS_PER_SM``), and at least the tokens (so every token's chunks fit: see
+    ``decode``)."""
+    return max(tokens, -(-(programs_per_sm or PROGRAMS_PER_SM) * sms // kv_heads))
 
 
 def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
            lens: torch.Tensor, token_row: torch.Tensor, scale: float, spare: int,
-           block_n: int = BLOCK_N, warps: int | None = None, stages: int | None = None
+           block_n: int | None = None, warps: int | None = None, stages: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's attention over its row's context in the pool.
 
@@ -163,8 +167,7 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
             at least the context over ``spare``, so the chunks number at most ``N + spare``
             (one partial chunk a token), the items each KV head has.
         block_n, warps, stages: the attend kernel's context tokens a tile (a power of two, 16
-            up), warps (default: 8 from head_dim 128, else 4) and pipeline stages (Triton's
-            default); for tuning (``benchmarks/decode_kernels.py --triton``).
+            up), warps and pipeline stages; by default ``BLOCK_N``, ``WARPS``, ``STAGES``.
     Returns:
         out [N, H, D] in q's dtype, lse [N, H] float32 base 2 (0 and -inf without context).
     """
@@ -172,6 +175,7 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
     kv_heads = kv_layer.shape[3]
     group = heads // kv_heads
     assert spare >= 1, "the chunk size divides the context by the spare items"
+    block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
     items = n + spare
     q_nhd = q_nhd.contiguous()
     out = torch.empty_like(q_nhd)

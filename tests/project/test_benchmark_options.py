@@ -1,0 +1,38 @@
+"""``--decode-kernel`` of the benchmarks: the kernel and the Triton tile it sets, and the specs it
+refuses before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.common import apply_decode_kernel
+from torch_cp.attention import flashinfer_gqa
+
+triton_decode = pytest.importorskip("torch_cp.attention.triton_decode")
+TILE = ("BLOCK_N", "WARPS", "PROGRAMS_PER_SM", "STAGES")
+
+
+@pytest.fixture(autouse=True)
+def restore(monkeypatch):
+    monkeypatch.setattr(flashinfer_gqa, "DECODE_KERNEL", flashinfer_gqa.DECODE_KERNEL)
+    for name in TILE:
+        monkeypatch.setattr(triton_decode, name, getattr(triton_decode, name))
+
+
+def test_a_tile_sets_the_triton_kernels_defaults():
+    assert apply_decode_kernel("triton:32:4:1:3") == "triton:32:4:1:3"
+    assert flashinfer_gqa.DECODE_KERNEL == "triton"
+    assert [getattr(triton_decode, name) for name in TILE] == [32, 4, 1, 3]
+    assert triton_decode.spare_items(tokens=32, kv_heads=4, sms=132) == 33
+
+
+def test_no_spec_leaves_flashinfer():
+    assert apply_decode_kernel(None) == "flashinfer" == flashinfer_gqa.DECODE_KERNEL
+
+
+@pytest.mark.parametrize("spec", ["cuda", "flashinfer:64:4:1", "triton:48:4:1", "triton:64:4",
+                                  "triton:64:4:1:2:9", "triton:x:4:1"])
+def test_a_bad_spec_exits_before_setting_anything(spec):
+    with pytest.raises(SystemExit):
+        apply_decode_kernel(spec)
+    assert flashinfer_gqa.DECODE_KERNEL == "flashinfer"
