@@ -9,6 +9,8 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
 
 - ``fa2``: the tensor-core path as torch_cp plans it today;
 - ``fa2_no_split``: the same with ``disable_split_kv=True`` (no merge, one CTA per row and head);
+  ``--splits N,...`` adds ``fa2_split:N``, the KV split in pieces of N pages
+  (``fixed_split_size``, the split vLLM pins for batch invariance);
 - ``fa3``: the tensor-core path on FlashInfer's SM90 (FA3) prefill kernel;
 - ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes);
 - ``triton``: torch_cp's chunked Triton kernels (``torch_cp/attention/triton_decode.py``), with
@@ -78,7 +80,9 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
         paged_kv_indices_buffer=torch.zeros(sum(pages), **i32),
         paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
         **({"backend": "fa3"} if name == "fa3" else {}))
-    extra = {"disable_split_kv": True} if name == "fa2_no_split" else {}
+    extra = ({"disable_split_kv": True} if name == "fa2_no_split" else
+             {"fixed_split_size": int(name.partition(":")[2])} if name.startswith("fa2_split:")
+             else {})
     wrapper.plan(indptr, order, last, shape["q_heads"], shape["kv_heads"], shape["head_dim"],
                  PAGE, q_data_type=DTYPE, kv_data_type=DTYPE, **extra)
     return lambda kv: wrapper.run(q, kv, return_lse=True)
@@ -132,12 +136,15 @@ def main(argv=None) -> int:
                     help="rows x context cases, e.g. '1x512,32x512,32x512+32768'")
     ap.add_argument("--triton", default="",
                     help="more Triton tiles, 'block:warps:programs_per_sm[:stages],...'")
+    ap.add_argument("--splits", default="",
+                    help="more FlashInfer variants: the KV split fixed at N pages, 'N,...'")
     ap.add_argument("--layers", type=int, default=1,
                     help="layers' KV timed in turn (4 puts 32 x 512 of Qwen3-30B-A3B past L2)")
     args = ap.parse_args(argv)
-    variants = VARIANTS + tuple(f"triton:{t}" for t in args.triton.split(",") if t)
-    for name in variants[len(VARIANTS):]:
+    tiles = tuple(f"triton:{t}" for t in args.triton.split(",") if t)
+    for name in tiles:
         variant_tile(name)  # a malformed tile exits before any timing
+    variants = VARIANTS + tuple(f"fa2_split:{int(n)}" for n in args.splits.split(",") if n) + tiles
     device = torch.device("cuda")
     torch.manual_seed(0)
     results = Results(args.out, run_header(device))
