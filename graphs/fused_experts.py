@@ -126,7 +126,9 @@ def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Te
     inter = down.shape[-1]
     x_td = x_td if x_td.stride(-1) == 1 else x_td.contiguous()
     ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
-    h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
+    # fp32 experts keep SiLU(gate) * up in fp32 for bf16 tokens too, as transformers does.
+    h_si = torch.empty(pairs, inter, dtype=torch.promote_types(x_td.dtype, gate_up.dtype),
+                       device=x_td.device)
     t = gate_up_tiles or GATE_UP_TILES
     _gate_up[(pairs, triton.cdiv(inter, t.rows))](
         x_td, gate_up, ids, h_si, hidden, inter, x_td.stride(0), gate_up.stride(0),

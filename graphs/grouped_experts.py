@@ -190,7 +190,8 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
     for t in (gate_up_tiles, down_tiles):
         if t.pairs not in layouts:
             layouts[t.pairs] = align(ids, num_experts, t.pairs)
-    h_si = torch.empty(pairs, inter, dtype=x_td.dtype, device=x_td.device)
+    h_si = torch.empty(pairs, inter, dtype=torch.promote_types(x_td.dtype, gate_up.dtype),
+                       device=x_td.device)  # fp32 experts: fp32 up to the down projection
     t = gate_up_tiles
     slots, block_experts = layouts[t.pairs]
     _grouped_gate_up[(block_experts.numel(), triton.cdiv(inter, t.rows))](

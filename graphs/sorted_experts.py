@@ -32,4 +32,4 @@ def sorted_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.T
     out_sh = compat.grouped_linear(experts._apply_gate(gate_up), experts.down_proj, offsets)
     place = torch.empty_like(order)  # each pair's row in the sorted order
     place[order] = torch.arange(order.numel(), device=order.device)
-    return sum_pairs(out_sh[place].view(tokens, top_k, -1), x_td.dtype, weights_tk)
+    return sum_pairs(out_sh[place].view(tokens, top_k, x_td.shape[-1]), x_td.dtype, weights_tk)

@@ -260,12 +260,19 @@ def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch
 
 # --- Engine arguments ---
 
-def _no_pool(*args, **kwargs):
-    raise AssertionError("a pool was allocated before the arguments were checked")
+def _meta_pools_only(runtime):
+    """``runtime.new_pool`` that sizes pools on the meta device (the memory check) and refuses
+    to allocate one anywhere else."""
+    sized = runtime.new_pool
+
+    def new_pool(*args, **kwargs):
+        assert "meta" in args or kwargs.get("device") == "meta", "a pool was allocated"
+        return sized(*args, **kwargs)
+    return new_pool
 
 
 def test_every_bad_engine_argument_is_named_at_once_before_allocation(model, monkeypatch):
-    monkeypatch.setattr(model.torch_cp, "new_pool", _no_pool)
+    monkeypatch.setattr(model.torch_cp, "new_pool", _meta_pools_only(model.torch_cp))
     with pytest.raises(ValueError) as e:
         Engine(model, num_pages=0, page_size=-8, max_tokens_per_step=0, max_rows=0,
                max_pages_per_row=-1, mixed_buckets=[(4, 2), (0, 8), "x"])
@@ -283,20 +290,16 @@ def test_engine_flags_that_are_not_bools_and_a_pool_larger_than_memory_are_refus
                                                                                    monkeypatch):
     """A truthy str would turn a flag on; a pool of 10**12 pages would fail (or be killed)
     inside its allocation: both refused first, the pool sized on the meta device only."""
-    sized = model.torch_cp.new_pool
-
-    def meta_only(*args, **kwargs):
-        assert "meta" in args or kwargs.get("device") == "meta", "a pool was allocated"
-        return sized(*args, **kwargs)
-    monkeypatch.setattr(model.torch_cp, "new_pool", meta_only)
+    monkeypatch.setattr(model.torch_cp, "new_pool", _meta_pools_only(model.torch_cp))
     with pytest.raises(ValueError) as e:
         Engine(model, num_pages=4, overlap_planning="no", prefix_caching=1, compile="yes")
     for named in ("overlap_planning must be True or False, got 'no'",
                   "prefix_caching must be True or False, got 1", "compile must be True or False"):
         assert named in str(e.value)
-    with pytest.raises(ValueError, match=r"num_pages 1000000000000 need .* GiB of pool on each "
+    with pytest.raises(ValueError, match=r"max_rows must be a positive int or None, got 0; "
+                                         r"num_pages 1000000000000 need .* GiB of pool on each "
                                          r"rank; the free memory holds at most \d+ pages"):
-        Engine(model, num_pages=10**12)
+        Engine(model, num_pages=10**12, max_rows=0)  # both named (helper 43)
 
 
 def test_engines_for_calls_of_similar_lengths_share_their_bucket_width(model, monkeypatch):
@@ -324,7 +327,7 @@ def test_mixed_buckets_the_mla_planner_refuses_are_named_before_allocation(model
     refused = mixed_bucket_problems([(4, 16384)], 128, 132)
     assert len(refused) == 1 and "mixed bucket (4, 16384)" in refused[0]
 
-    monkeypatch.setattr(model.torch_cp, "new_pool", _no_pool)
+    monkeypatch.setattr(model.torch_cp, "new_pool", _meta_pools_only(model.torch_cp))
     monkeypatch.setattr(model.torch_cp, "backend", SimpleNamespace(
         mixed_bucket_problems=lambda shapes: mixed_bucket_problems(shapes, 128, 132)))
     with pytest.raises(ValueError) as e:

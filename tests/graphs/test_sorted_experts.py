@@ -2,8 +2,9 @@
 grouped GEMMs with torch_cp's sum of a token's pairs.
 
 - Eagerly it is transformers' ``grouped_mm`` experts bit for bit, for every MoE family, fp32 and
-  bf16 (the same sort, GEMMs and gate; the weights multiplied in the promoted dtype and the pairs
-  summed in float32 as transformers does, the gather moved before the product).
+  bf16, no tokens too (the same sort, GEMMs and gate; the weights multiplied in the promoted
+  dtype and the pairs summed in float32 as transformers does, the gather moved before the
+  product).
 - Dynamo traces it whole (compiled layers use fullgraph) and runs the same computation.
 - Experts whose class has a gate of its own are not taken (``fits``).
 """
@@ -31,10 +32,11 @@ def routed(experts, tokens: int, dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(MOE_MODELS))
-def test_eagerly_transformers_grouped_mm_bit_for_bit(name, dtype):
+@pytest.mark.parametrize("tokens", [40, 0])
+def test_eagerly_transformers_grouped_mm_bit_for_bit(name, dtype, tokens):
     experts = experts_modules(MOE_MODELS[name](dtype))[0]
     assert fe.fits(experts)
-    args = routed(experts, 40, dtype)
+    args = routed(experts, tokens, dtype)
     assert torch.equal(se.sorted_experts(experts, *args),
                        moe.grouped_mm_experts_forward(experts, *args))
 

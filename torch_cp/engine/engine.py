@@ -50,6 +50,11 @@ def state_slot_counts(hybrid: bool, max_rows: int | None, prefix_caching: bool,
     return running, (state_checkpoints or running) if prefix_caching else 0
 
 
+def _positive(*values, none: bool = False) -> bool:
+    """Every value a positive int (or None, with ``none``)."""
+    return all((none and v is None) or (type(v) is int and v > 0) for v in values)
+
+
 def state_pool_bytes(runtime, max_rows: int | None = None, prefix_caching: bool = False,
                      state_checkpoints: int | None = None) -> int:
     """Bytes of the state pool an ``Engine`` with these arguments allocates on this rank (0 for
@@ -118,7 +123,12 @@ class Engine(BatchRuns, Serving):
                                    mixed_buckets, cuda_graphs, compile, self.runtime.device,
                                    prefix_caching, hybrid, state_checkpoints,
                                    self.runtime.backend, overlap_planning)
-        problems = problems or pool_fit_problems(self.runtime, page_size, num_pages)
+        if _positive(num_pages) and not self.runtime.placement.page_size_problems(page_size):
+            # Named beside the other problems; every rank decides alike (its arguments). The
+            # state pool (hybrid models) counts where its own arguments are valid.
+            state = (state_pool_bytes(self.runtime, max_rows, prefix_caching, state_checkpoints)
+                     if _positive(max_rows, state_checkpoints, none=True) else 0)
+            problems += pool_fit_problems(self.runtime, page_size, num_pages, state)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
         self.page_size = page_size

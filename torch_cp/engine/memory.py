@@ -143,16 +143,20 @@ def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | 
     return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
 
 
-def pool_fit_problems(runtime, page_size: int, num_pages: int) -> list[str]:
-    """Why a pool of ``num_pages`` cannot fit in the free memory of its device on some rank
-    (every rank gets the same answer), before any of it is allocated."""
+def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: int = 0
+                      ) -> list[str]:
+    """Why a pool of ``num_pages`` and ``reserved_bytes`` beside it (a hybrid model's state
+    pool) cannot fit in the free memory of its device on some rank (every rank gets the same
+    answer), before any of it is allocated."""
     free = _free_bytes(runtime)
     per_page = pool_bytes_per_page(runtime, page_size)
-    fits = _agreed(None if free is None else free // per_page, runtime)
+    fits = _agreed(None if free is None else max(0, free - reserved_bytes) // per_page, runtime)
     if fits is None or num_pages <= fits:
         return []
+    beside = (f" beside {reserved_bytes / 2**30:.1f} GiB of state pool" if reserved_bytes
+              else "")
     return [f"num_pages {num_pages} need {num_pages * per_page / 2**30:.1f} GiB of pool on "
-            f"each rank; the free memory holds at most {fits} pages"]
+            f"each rank{beside}; the free memory holds at most {fits} pages"]
 
 
 def _free_bytes(runtime) -> int | None:
