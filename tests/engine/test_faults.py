@@ -223,6 +223,8 @@ def test_a_huge_max_new_tokens_gets_its_error_without_sizing_the_pool(model, mon
     assert engine.allocator.num_pages == pages
     assert engine.kv_bytes == model.torch_cp.new_pool(pages, page).bytes < 2**20
     assert elapsed < 10
+    with pytest.raises(ValueError, match="max_new_tokens must be an int or one int a prompt"):
+        torch_cp.generate(model, prompts, 4.0, progress=False)  # was list(4.0): a TypeError
 
 
 def test_the_default_pool_is_capped_by_free_host_memory(model, monkeypatch):

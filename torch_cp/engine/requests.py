@@ -22,7 +22,11 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int) ->
     """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's)."""
     if isinstance(max_new_tokens, int):
         return [max_new_tokens] * prompts
-    news = list(max_new_tokens)
+    try:
+        news = list(max_new_tokens)
+    except TypeError:  # e.g. a float or a numpy integer
+        raise ValueError(f"max_new_tokens must be an int or one int a prompt, got "
+                         f"{max_new_tokens!r}") from None
     if len(news) != prompts:
         raise ValueError(f"max_new_tokens has {len(news)} entries for {prompts} prompts")
     return news
