@@ -133,11 +133,18 @@ def hybrid():
 
 @pytest.fixture
 def no_allocation(monkeypatch, hybrid):
-    """An Engine that would allocate its pool or state pool raises instead."""
+    """An Engine that would allocate its pool or state pool raises instead (a pool sized on the
+    meta device, for the memory check, allocates nothing)."""
+    sized = hybrid.torch_cp.new_pool
+
     def refuse(*args, **kwargs):
         raise AssertionError("allocated before refusing")
 
-    monkeypatch.setattr(hybrid.torch_cp, "new_pool", refuse)
+    def pool(*args, **kwargs):
+        return (sized if "meta" in args or kwargs.get("device") == "meta" else refuse)(
+            *args, **kwargs)
+
+    monkeypatch.setattr(hybrid.torch_cp, "new_pool", pool)
     monkeypatch.setattr(engine_module, "new_state_pool", refuse)
 
 

@@ -11,6 +11,11 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def positive_ints(*values, none: bool = False) -> bool:
+    """Every value a positive int (or None, with ``none``)."""
+    return all((none and v is None) or _positive_int(v) for v in values)
+
+
 def _bucket_problems(mixed_buckets) -> list[str]:
     """Why ``mixed_buckets`` are not (rows, tokens) shapes with tokens > rows >= 1."""
     try:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
-from torch_cp.engine.checks import engine_problems
+from torch_cp.engine.checks import engine_problems, positive_ints
 from torch_cp.engine.feedback import status
 from torch_cp.engine.memory import pool_fit_problems
 from torch_cp.engine.sampling import (
@@ -48,11 +48,6 @@ def state_slot_counts(hybrid: bool, max_rows: int | None, prefix_caching: bool,
     many state checkpoints unless ``state_checkpoints`` says."""
     running = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
     return running, (state_checkpoints or running) if prefix_caching else 0
-
-
-def _positive(*values, none: bool = False) -> bool:
-    """Every value a positive int (or None, with ``none``)."""
-    return all((none and v is None) or (type(v) is int and v > 0) for v in values)
 
 
 def state_pool_bytes(runtime, max_rows: int | None = None, prefix_caching: bool = False,
@@ -123,11 +118,11 @@ class Engine(BatchRuns, Serving):
                                    mixed_buckets, cuda_graphs, compile, self.runtime.device,
                                    prefix_caching, hybrid, state_checkpoints,
                                    self.runtime.backend, overlap_planning)
-        if _positive(num_pages) and not self.runtime.placement.page_size_problems(page_size):
+        if positive_ints(num_pages) and not self.runtime.placement.page_size_problems(page_size):
             # Named beside the other problems; every rank decides alike (its arguments). The
             # state pool (hybrid models) counts where its own arguments are valid.
             state = (state_pool_bytes(self.runtime, max_rows, prefix_caching, state_checkpoints)
-                     if _positive(max_rows, state_checkpoints, none=True) else 0)
+                     if positive_ints(max_rows, state_checkpoints, none=True) else 0)
             problems += pool_fit_problems(self.runtime, page_size, num_pages, state)
         if problems:
             raise ValueError("invalid engine: " + "; ".join(problems))
