@@ -116,8 +116,9 @@ class _GQAKernels:
             self._triton_decode = triton_decode
         self._num_sms = backend.num_sms
         # A Triton decode step's tables, copied in place at each plan like FlashInfer's buffers
-        # (captured kernels keep reading these tensors): [B, width], [B], [N].
+        # (captured kernels keep reading these tensors): [B, width], [B], [N]; its work items.
         self._table = self._lens = self._token_row = None
+        self._spare = 0
 
     def plan(self, plan: StepPlan) -> None:
         """Plan the step's wrappers from host indptrs (no device sync)."""
@@ -131,6 +132,8 @@ class _GQAKernels:
             self._table = staged(self._table, plan.context.table)
             self._lens = staged(self._lens, plan.context.lens)
             self._token_row = staged(self._token_row, plan.token_row)
+            self._spare = self._triton_decode.spare_items(plan.positions.shape[0], g.kv_heads,
+                                                          self._num_sms)
         elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
@@ -158,10 +161,9 @@ class _GQAKernels:
         """q [N, context_q_heads, head_dim] over this partner's slots -> Partial [N, H, D]."""
         assert self._attends_context, "a step of fresh rows plans no context kernel"
         if self._is_decode and self._triton_decode:
-            td, kv = self._triton_decode, caches[0][layer_idx]
-            spare = td.spare_items(q.shape[0], kv.shape[3], self._num_sms)
-            return Partial(*td.decode(q, kv, self._table, self._lens, self._token_row,
-                                      self.geometry.scale, spare))
+            return Partial(*self._triton_decode.decode(
+                q, caches[0][layer_idx], self._table, self._lens, self._token_row,
+                self.geometry.scale, self._spare))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
         return Partial(out, lse)
