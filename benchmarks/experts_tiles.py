@@ -9,6 +9,10 @@ for a kernel that walks an expert's pairs in one program).
 
     python -m benchmarks.experts_tiles --out benchmarks/results/experts_tiles.json
     python -m benchmarks.experts_tiles --grouped --out benchmarks/results/grouped_tiles.json
+
+``--space pairs=16;rows=32,64;cols=64,128;warps=4;stages=2,3,4`` narrows or widens the grouped
+sweep (``stages``: Triton's pipeline depth, its default when left out); ``--shapes`` picks
+blocks.
 """
 
 from __future__ import annotations
@@ -28,10 +32,23 @@ from torch_cp.graphs import grouped_experts as ge
 ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
 GROUPED_PAIRS, GROUPED_ROWS = (16, 32), (32, 64, 128)
 GROUPED_COLS, GROUPED_WARPS = (64, 128), (4, 8)
+GROUPED_SPACE = dict(pairs=GROUPED_PAIRS, rows=GROUPED_ROWS, cols=GROUPED_COLS,
+                     warps=GROUPED_WARPS, stages=(None,))
+
+
+def grouped_space(text: str) -> dict:
+    """``"rows=32,64;stages=2,3"`` over ``GROUPED_SPACE``: the values to sweep of each field."""
+    space = dict(GROUPED_SPACE)
+    for part in filter(None, text.split(";")):
+        name, _, values = part.partition("=")
+        if name not in space:
+            raise ValueError(f"--space: {name!r} is not one of {sorted(space)}")
+        space[name] = tuple(int(v) for v in values.split(","))
+    return space
 
 
 def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: bool,
-          routing: str, defaults_only: bool = False) -> list[dict]:
+          routing: str, defaults_only: bool = False, space: dict | None = None) -> list[dict]:
     device = torch.device("cuda")
     block = moe_block(shape, device, torch.bfloat16)
     experts = block.experts
@@ -48,16 +65,17 @@ def sweep(shape: str, tokens: int, bandwidth: float, results: Results, grouped: 
         ms = graph_time_ms(lambda: moe.grouped_mm_experts_forward(experts, x, ids, weights),
                            device, iters=100)
         rows.append(results.add(kernel="grouped_mm", ms=ms, **case))
-    space = (itertools.product(GROUPED_PAIRS, GROUPED_ROWS, GROUPED_COLS, GROUPED_WARPS)
-             if grouped else itertools.product([None], ROWS, COLS, WARPS))
-    for (m, r, c, w), kernel in itertools.product([] if defaults_only else list(space),
-                                                  ("gate_up", "down")):
+    space = (itertools.product(*(space or GROUPED_SPACE).values()) if grouped
+             else itertools.product([None], ROWS, COLS, WARPS, [None]))
+    for (m, r, c, w, st), kernel in itertools.product([] if defaults_only else list(space),
+                                                      ("gate_up", "down")):
         # (a kernel at other pairs than the other's takes a second align: counted in its time)
-        tiles = {f"{kernel}_tiles": tile(m, r, c, w) if grouped else tile(r, c, w)}
+        tiles = {f"{kernel}_tiles": tile(m, r, c, w, st) if grouped else tile(r, c, w)}
         got = call(experts, x, ids, weights, **tiles).float()
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
         ms = graph_time_ms(lambda t=tiles: call(experts, x, ids, weights, **t), device, iters=100)
-        rows.append(results.add(kernel=kernel, pairs=m, rows=r, cols=c, warps=w, ms=ms, **case))
+        rows.append(results.add(kernel=kernel, pairs=m, rows=r, cols=c, warps=w, stages=st,
+                                ms=ms, **case))
     ms = graph_time_ms(lambda: call(experts, x, ids, weights), device, iters=100)
     rows.append(results.add(kernel="both at their defaults", ms=ms, **case))
     return rows
@@ -70,28 +88,32 @@ def main(argv=None) -> int:
     p.add_argument("--grouped", action="store_true")
     p.add_argument("--routing", choices=("spread", "hot"), default="spread")
     p.add_argument("--defaults-only", action="store_true", help="no sweep: the default tiles")
+    p.add_argument("--space", default="", help="grouped sweep, e.g. 'rows=32,64;stages=2,3'")
+    p.add_argument("--shapes", default=",".join(SHAPES))
     args = p.parse_args(argv)
+    space = grouped_space(args.space)
     args.tokens = args.tokens or ("32,64" if args.grouped else "1,8")
     results = Results(args.out, header=run_header(torch.device("cuda")))
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     with torch.inference_mode():
-        for shape in SHAPES:
+        for shape in args.shapes.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 rows += sweep(shape, tokens, bandwidth, results, args.grouped, args.routing,
-                              args.defaults_only)
+                              args.defaults_only, space)
     best = []
     rows.sort(key=lambda r: (r["shape"], r["tokens"], r["kernel"]))
     for _, group in itertools.groupby(rows, lambda r: (r["shape"], r["tokens"], r["kernel"])):
         best.append(min(group, key=lambda r: r["ms"]))
-    print(table(best, ["shape", "tokens", "kernel", "pairs", "rows", "cols", "warps", "ms",
-                       "roofline_ms"]))
+    print(table(best, ["shape", "tokens", "kernel", "pairs", "rows", "cols", "warps", "stages",
+                       "ms", "roofline_ms"]))
     module = ge if args.grouped else fe
     for kernel in () if args.defaults_only else ("gate_up", "down"):
         t = getattr(module, f"{kernel.upper()}_TILES")
         defaults = [r for r in rows if r["kernel"] == kernel
-                    and (r["pairs"], r["rows"], r["cols"], r["warps"])
-                    == (getattr(t, "pairs", None), t.rows, t.cols, t.warps)]
+                    and (r["pairs"], r["rows"], r["cols"], r["warps"], r["stages"])
+                    == (getattr(t, "pairs", None), t.rows, t.cols, t.warps,
+                        getattr(t, "stages", None))]
         print(f"{kernel} at its default tiles {t}:")
         print(table(defaults, ["shape", "tokens", "ms", "roofline_ms"]))
     results.save()

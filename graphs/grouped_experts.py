@@ -30,28 +30,39 @@ from torch_cp.graphs.pair_sums import sum_pairs
 class GroupedTiles:
     """One kernel's launch: ``pairs`` routed rows per ``tl.dot`` (at least 16), ``rows`` weight
     rows (output channels) per program, ``cols`` of the reduction per step (each a power of two,
-    as Triton's tiles are), and its warps."""
+    as Triton's tiles are), its warps, and the reduction loop's pipeline ``stages`` (None:
+    Triton's default)."""
 
     pairs: int
     rows: int
     cols: int
     warps: int
+    stages: int | None = None
 
     def __post_init__(self):
         problems = [f"{name} {value} is not a power of two >= 16" for name, value in
                     (("pairs", self.pairs), ("rows", self.rows), ("cols", self.cols))
                     if value < 16 or value & (value - 1)]
+        if self.stages is not None and self.stages < 1:
+            problems.append(f"stages {self.stages} is not None or >= 1")
         if problems:
             raise ValueError("GroupedTiles: " + "; ".join(problems))
+
+    def launch(self) -> dict:
+        """The launch options Triton takes for these tiles."""
+        return dict(num_warps=self.warps, **({} if self.stages is None
+                                             else dict(num_stages=self.stages)))
 
 
 # Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot wrongly (their bits as
 # integers); there the tiles are multiplied in float32, as fp32 experts are everywhere.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Picked by ``python -m benchmarks.experts_tiles --grouped`` on the H200 (run 71): the least
-# time summed over 32 and 64 tokens of the Qwen3-30B-A3B and GLM-4.7-Flash blocks.
-GATE_UP_TILES = GroupedTiles(pairs=16, rows=64, cols=128, warps=4)
-DOWN_TILES = GroupedTiles(pairs=16, rows=64, cols=64, warps=4)
+# Picked by ``python -m benchmarks.experts_tiles --grouped`` on the H200: run 71 the least
+# time summed over 32 and 64 tokens of the Qwen3-30B-A3B and GLM-4.7-Flash blocks; run 87 with
+# pipeline stages for Qwen3-30B-A3B's block: the down projection's 128 columns a step took 5 us
+# off a 258 / 294 us layer at 32 / 64 tokens, the gate/up's 128 rows a program 9 us at 64.
+GATE_UP_TILES = GroupedTiles(pairs=16, rows=128, cols=128, warps=4, stages=3)
+DOWN_TILES = GroupedTiles(pairs=16, rows=64, cols=128, warps=4, stages=3)
 
 
 @triton.jit
@@ -197,12 +208,12 @@ def grouped_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.
     _grouped_gate_up[(block_experts.numel(), triton.cdiv(inter, t.rows))](
         x_td, gate_up, slots, block_experts, h_si, hidden, inter, x_td.stride(0),
         gate_up.stride(0), gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BM=t.pairs,
-        BN=t.rows, BK=t.cols, FP32_DOT=fp32_dot, num_warps=t.warps)
+        BN=t.rows, BK=t.cols, FP32_DOT=fp32_dot, **t.launch())
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
     t = down_tiles
     slots, block_experts = layouts[t.pairs]
     _grouped_down[(block_experts.numel(), triton.cdiv(hidden, t.rows))](
         h_si, down, slots, block_experts, weights, out_sd, hidden, inter, h_si.stride(0),
         down.stride(0), down.stride(1), out_sd.stride(0), BM=t.pairs, BN=t.rows, BK=t.cols,
-        FP32_DOT=fp32_dot, num_warps=t.warps)
+        FP32_DOT=fp32_dot, **t.launch())
     return sum_pairs(out_sd.view(tokens, top_k, hidden), x_td.dtype)
