@@ -64,9 +64,10 @@ def apply_inductor_settings(text: str) -> dict:
     return settings
 
 
-DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', or 'triton:B:W:P[:S]' "
-                      "(the Triton kernels at a tile: context tokens a block, warps, programs an "
-                      "SM, pipeline stages; decode_kernels --triton sweeps them)")
+DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (Triton for "
+                      "one-token steps), or 'triton:B:W:P[:S]' (the Triton kernels at one tile "
+                      "for every step: context tokens a block, warps, programs an SM, pipeline "
+                      "stages; decode_kernels --triton sweeps them)")
 
 
 def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
@@ -88,7 +89,7 @@ def apply_decode_kernel(spec: str | None) -> str:
     if not spec:
         return "flashinfer"
     kind, _, tile = spec.partition(":")
-    if kind not in ("flashinfer", "triton") or (tile and kind != "triton"):
+    if kind not in ("flashinfer", "triton", "auto") or (tile and kind != "triton"):
         raise SystemExit(f"--decode-kernel: {DECODE_KERNEL_HELP}; got {spec!r}")
     values = triton_tile(tile) if tile else None  # refused before anything is set
     from torch_cp.attention import flashinfer_gqa
@@ -99,6 +100,7 @@ def apply_decode_kernel(spec: str | None) -> str:
 
         (triton_decode.BLOCK_N, triton_decode.WARPS, triton_decode.PROGRAMS_PER_SM,
          triton_decode.STAGES) = values
+        triton_decode.ONE_TOKEN_TILE = None  # the tile given for every step
     return spec
 
 

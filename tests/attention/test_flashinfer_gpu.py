@@ -102,6 +102,25 @@ def test_gqa_decode_on_the_triton_kernels(shape, mode, size, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [Batch(q_lens=(1,), ctx_lens=(700,)), DECODE],
+                         ids=["one-token", "seven-tokens"])
+def test_auto_decode_takes_triton_for_one_token_steps_only(batch, monkeypatch):
+    """``decode_kernel="auto"``: a one-token decode step on the Triton kernels (at their
+    one-token tile), a longer one on FlashInfer's; both the reference's partials."""
+    from torch_cp.attention import flashinfer_gqa, triton_decode
+
+    calls = []
+    decode = triton_decode.decode
+    monkeypatch.setattr(triton_decode, "decode", lambda *a: calls.append(a[-3:]) or decode(*a))
+    inputs = make_inputs(QWEN3, batch, torch.bfloat16, "cuda", seed=5)
+    got = run_placed(flashinfer_backend(decode_kernel="auto"), QWEN3, 1, "sp", batch, inputs)
+    assert_close_real(got.merged, reference(QWEN3, batch, inputs), inputs.num_tokens)
+    one_token = inputs.num_tokens <= flashinfer_gqa.TRITON_STEP_TOKENS
+    block_n, warps, _, stages = triton_decode.ONE_TOKEN_TILE
+    assert calls == ([(block_n, warps, stages)] if one_token else [])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("size", [1, 2])
 def test_a_large_gqa_group_plans_within_its_workspace(size):
     """GLM-4-32B's attention (48 query heads over 2 KV heads, group 24): split-KV scratch for
@@ -270,6 +289,21 @@ def test_forced_cuda_core_decode_of_a_group_it_lacks_is_refused_on_cpu():
     geometry = AttentionGeometry("gqa", 48, 2, 128, 64, 128 ** -0.5, 48)
     with pytest.raises(ValueError, match="head_dim 128 != head_dim_v 64.*not 24"):
         FlashInferGQABackend(geometry, "cpu", decode_tensor_cores=False)
+
+
+def test_a_decode_kernel_that_cannot_run_is_refused_on_cpu():
+    """Before any allocation: an unknown decode kernel, and the Triton kernels ("triton" or
+    "auto") for a head size they do not take."""
+    pytest.importorskip("triton")
+    from torch_cp.attention.backend import AttentionGeometry
+    from torch_cp.attention.flashinfer_gqa import FlashInferGQABackend
+
+    geometry = AttentionGeometry("gqa", 8, 2, 96, 96, 96 ** -0.5, 8)
+    with pytest.raises(ValueError, match="must be one of"):
+        FlashInferGQABackend(geometry, "cpu", decode_kernel="cuda")
+    for kernel in ("triton", "auto"):
+        with pytest.raises(ValueError, match=f"decode_kernel='{kernel}' \\(Triton\\) takes"):
+            FlashInferGQABackend(geometry, "cpu", decode_kernel=kernel)
 
 
 @pytest.mark.gpu

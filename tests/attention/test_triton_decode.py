@@ -77,6 +77,26 @@ def test_decode_equals_dense_attention(lens, spare, block_n):
     assert torch.isneginf(lse.cpu()[empty]).all()
 
 
+def test_one_token_steps_take_their_tile(monkeypatch):
+    """A one-token step at ``tile_for(1)`` (the one-token tile, one program an SM) equals dense
+    attention; longer steps keep the module's tile."""
+    assert td.tile_for(1) == td.ONE_TOKEN_TILE and td.tile_for(2)[0] == td.BLOCK_N
+    lens = [700]
+    kv, table = pool_and_tables(lens)
+    token_row = torch.tensor([0])
+    q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(2))
+    want = reference(q, kv, table, lens, token_row, 0.25)
+    block_n, warps, per_sm, stages = td.tile_for(1)
+    spare = td.spare_items(1, KV_HEADS, sms=8, programs_per_sm=per_sm)
+    out, lse = td.decode(q.to(DEVICE), kv.to(DEVICE), table.to(DEVICE),
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                         token_row.to(DEVICE), 0.25, spare, block_n, warps, stages)
+    torch.testing.assert_close(out.cpu(), want.out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), want.lse, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(td, "ONE_TOKEN_TILE", None)
+    assert td.tile_for(1) == (td.BLOCK_N, td.WARPS, td.PROGRAMS_PER_SM, td.STAGES)
+
+
 def test_spare_items_fill_the_device_and_hold_every_token():
     assert td.spare_items(tokens=1, kv_heads=8, sms=132) == 66
     assert td.spare_items(tokens=32, kv_heads=4, sms=132) == 132

@@ -2,7 +2,8 @@
 
 A decode step attends the pool only (the new token is written first), through
 ``BatchDecodeWithPagedKVCacheWrapper`` (or, with ``decode_kernel="triton"``, torch_cp's chunked
-Triton kernels, ``triton_decode``). Any other step attends the cached context through
+Triton kernels, ``triton_decode``; with ``"auto"``, those for steps of one token). Any other
+step attends the cached context through
 ``BatchPrefillWithPagedKVCacheWrapper`` (non-causal, context-only lengths) and its own tokens
 through ``BatchPrefillWithRaggedKVCacheWrapper`` (causal, ``qo_indptr == kv_indptr``); the module
 merges the two partials. Every kernel returns base-2 LSE; empty rows give out 0 and lse -inf.
@@ -30,11 +31,15 @@ CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's decode dispatch
 # Tensor-core decode from this GQA group size up: on an H200 it reaches the copy roofline at
 # every group, CUDA cores only at groups 1-2 (docs/gpu-runs.md).
 TENSOR_CORE_MIN_GROUP = 4
-# Decode steps' kernel: FlashInfer's, or torch_cp's chunked Triton kernels ("triton",
-# triton_decode.py). On an H200 in a CUDA graph (run 81, group 8) the Triton kernels win only at
-# one short row (8.2 against 10.2 us at 1 x 512) and lose at 32-64 rows (21.3 / 39.9 against
-# 16.5 / 28.7 us at 512): FlashInfer stays the default.
+# Decode steps' kernel: FlashInfer's, torch_cp's chunked Triton kernels ("triton",
+# triton_decode.py), or "auto": the Triton kernels for steps of at most TRITON_STEP_TOKENS
+# tokens, FlashInfer's above. On an H200 in a CUDA graph (runs 81, 87, group 8) the Triton
+# kernels win at one short row (6.4 against 9.6 us at 1 x 512 at their one-token tile) and lose
+# at 32-64 rows (20.7 / 33.9 against 20.5 / 28.8 us at 512, their best tiles): FlashInfer stays
+# the default until "auto" is measured inside a step.
 DECODE_KERNEL = "flashinfer"
+DECODE_KERNELS = ("flashinfer", "triton", "auto")
+TRITON_STEP_TOKENS = 1
 
 
 def use_tensor_core_decode(group_size: int) -> bool:
@@ -50,9 +55,9 @@ class FlashInferGQABackend(FlashInferBackend):
         device: a CUDA device.
         dtype: query and pool dtype (bf16 or fp16; only bf16 kernels are prebuilt here).
         decode_tensor_cores: force the decode path; ``None`` decides from the context GQA group.
-        decode_kernel: ``"flashinfer"`` or ``"triton"`` (``triton_decode``) for decode steps;
-            ``None``: ``DECODE_KERNEL`` where the Triton kernels take the shapes, else
-            FlashInfer's.
+        decode_kernel: ``"flashinfer"``, ``"triton"`` (``triton_decode``) or ``"auto"`` (Triton for
+            decode steps of at most ``TRITON_STEP_TOKENS`` tokens) for decode steps; ``None``:
+            ``DECODE_KERNEL`` where the Triton kernels take the shapes, else FlashInfer's.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
@@ -60,15 +65,16 @@ class FlashInferGQABackend(FlashInferBackend):
                  decode_kernel: str | None = None):
         problems = []
         if decode_kernel is None:  # the default, where the Triton kernels take the shapes
-            decode_kernel = (DECODE_KERNEL if DECODE_KERNEL != "triton"
+            decode_kernel = (DECODE_KERNEL if DECODE_KERNEL == "flashinfer"
                              or _triton_decode_takes(geometry) else "flashinfer")
-        if decode_kernel not in ("flashinfer", "triton"):
-            problems.append(f"decode_kernel must be 'flashinfer' or 'triton', got "
+        if decode_kernel not in DECODE_KERNELS:
+            problems.append(f"decode_kernel must be one of {DECODE_KERNELS}, got "
                             f"{decode_kernel!r}")
-        elif decode_kernel == "triton" and not _triton_decode_takes(geometry):
-            problems.append(f"decode_kernel='triton' takes head_dim a power of two from 16 to "
-                            f"256 and GQA groups up to 64, not head_dim {geometry.head_dim}, "
-                            f"group {geometry.context_q_heads // max(geometry.kv_heads, 1)}")
+        elif decode_kernel != "flashinfer" and not _triton_decode_takes(geometry):
+            problems.append(f"decode_kernel={decode_kernel!r} (Triton) takes head_dim a power "
+                            f"of two from 16 to 256 and GQA groups up to 64, not head_dim "
+                            f"{geometry.head_dim}, group "
+                            f"{geometry.context_q_heads // max(geometry.kv_heads, 1)}")
         if geometry.kind != "gqa":
             problems.append(f"geometry kind is {geometry.kind!r}, not 'gqa'")
         if geometry.head_dim != geometry.head_dim_v:
@@ -110,15 +116,17 @@ class _GQAKernels:
         self._is_decode = self._attends_context = True
         self._padding: torch.Tensor | None = None  # [N, 1, 1] tokens of no real row
         self._triton_decode = None
-        if backend.decode_kernel == "triton":
+        if backend.decode_kernel != "flashinfer":
             from torch_cp.attention import triton_decode
 
             self._triton_decode = triton_decode
+        self._always_triton = backend.decode_kernel == "triton"
         self._num_sms = backend.num_sms
         # A Triton decode step's tables, copied in place at each plan like FlashInfer's buffers
-        # (captured kernels keep reading these tensors): [B, width], [B], [N]; its work items.
+        # (captured kernels keep reading these tensors): [B, width], [B], [N]; its tile and work
+        # items. A bucket's steps all have its token count, so each keeps one kernel choice.
         self._table = self._lens = self._token_row = None
-        self._spare = 0
+        self._on_triton, self._tile, self._spare = False, None, 0
 
     def plan(self, plan: StepPlan) -> None:
         """Plan the step's wrappers from host indptrs (no device sync)."""
@@ -128,12 +136,16 @@ class _GQAKernels:
         # them (pinned, so their copies do not wait).
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
-        if plan.is_decode and self._triton_decode:
+        tokens = plan.positions.shape[0]
+        self._on_triton = plan.is_decode and self._triton_decode is not None and (
+            self._always_triton or tokens <= TRITON_STEP_TOKENS)
+        if self._on_triton:
             self._table = staged(self._table, plan.context.table)
             self._lens = staged(self._lens, plan.context.lens)
             self._token_row = staged(self._token_row, plan.token_row)
-            self._spare = self._triton_decode.spare_items(plan.positions.shape[0], g.kv_heads,
-                                                          self._num_sms)
+            self._tile = self._triton_decode.tile_for(tokens)
+            self._spare = self._triton_decode.spare_items(tokens, g.kv_heads, self._num_sms,
+                                                          self._tile[2])
         elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
@@ -160,10 +172,11 @@ class _GQAKernels:
                     ) -> Partial:
         """q [N, context_q_heads, head_dim] over this partner's slots -> Partial [N, H, D]."""
         assert self._attends_context, "a step of fresh rows plans no context kernel"
-        if self._is_decode and self._triton_decode:
+        if self._on_triton:
+            block_n, warps, _, stages = self._tile
             return Partial(*self._triton_decode.decode(
                 q, caches[0][layer_idx], self._table, self._lens, self._token_row,
-                self.geometry.scale, self._spare))
+                self.geometry.scale, self._spare, block_n, warps, stages))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
         return Partial(out, lse)
