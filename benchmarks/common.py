@@ -47,20 +47,26 @@ def run_header(device: torch.device) -> dict:
 
 def apply_inductor_settings(text: str) -> dict:
     """Set ``torch._inductor.config`` from 'name=value,...' (values as Python literals: ``True``,
-    ``3``; anything else a string) and return the settings; an unknown name exits."""
+    ``3``; anything else a string; dotted names reach its sections, e.g. ``triton.enable_pdl``)
+    and return the settings; an unknown name exits before anything is set."""
     import torch._inductor.config as inductor_config
 
-    settings = {}
+    settings, targets = {}, {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if not hasattr(inductor_config, name):
+        *sections, leaf = name.split(".")
+        owner = inductor_config
+        for section in sections:
+            owner = getattr(owner, section, None)
+        if owner is None or not hasattr(owner, leaf):
             raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
+        targets[name] = owner, leaf
         try:
             settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             settings[name] = value
     for name, value in settings.items():
-        setattr(inductor_config, name, value)
+        setattr(*targets[name], value)
     return settings
 
 

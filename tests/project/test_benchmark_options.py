@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import apply_decode_kernel
+from benchmarks.common import apply_decode_kernel, apply_inductor_settings
 from torch_cp.attention import flashinfer_gqa
 
 triton_decode = pytest.importorskip("torch_cp.attention.triton_decode")
@@ -43,3 +43,17 @@ def test_a_bad_spec_exits_before_setting_anything(spec):
     with pytest.raises(SystemExit):
         apply_decode_kernel(spec)
     assert flashinfer_gqa.DECODE_KERNEL == "flashinfer"
+
+
+def test_inductor_settings_reach_config_sections(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "max_autotune", inductor_config.max_autotune)
+    monkeypatch.setattr(inductor_config.triton, "cudagraphs", inductor_config.triton.cudagraphs)
+    assert apply_inductor_settings("max_autotune=True,triton.cudagraphs=True") == {
+        "max_autotune": True, "triton.cudagraphs": True}
+    assert inductor_config.max_autotune is True and inductor_config.triton.cudagraphs is True
+    for bad in ("no_such_setting=1", "triton.no_such=1", "no_section.x=1"):
+        with pytest.raises(SystemExit, match="no setting"):
+            apply_inductor_settings(f"max_autotune=False,{bad}")
+        assert inductor_config.max_autotune is True  # nothing set before the exit
