@@ -11,7 +11,7 @@ for a kernel that walks an expert's pairs in one program).
     python -m benchmarks.experts_tiles --grouped --out benchmarks/results/grouped_tiles.json
 
 ``--space pairs=16;rows=32,64;cols=64,128;warps=4;stages=2,3,4`` narrows or widens the grouped
-sweep (``stages``: Triton's pipeline depth, its default when left out); ``--shapes`` picks
+sweep (``stages``: Triton's pipeline depth; left out, the default tiles'); ``--shapes`` picks
 blocks.
 """
 
@@ -33,7 +33,7 @@ ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
 GROUPED_PAIRS, GROUPED_ROWS = (16, 32), (32, 64, 128)
 GROUPED_COLS, GROUPED_WARPS = (64, 128), (4, 8)
 GROUPED_SPACE = dict(pairs=GROUPED_PAIRS, rows=GROUPED_ROWS, cols=GROUPED_COLS,
-                     warps=GROUPED_WARPS, stages=(None,))
+                     warps=GROUPED_WARPS, stages=(ge.DOWN_TILES.stages,))
 
 
 def grouped_space(text: str) -> dict:
@@ -91,7 +91,12 @@ def main(argv=None) -> int:
     p.add_argument("--space", default="", help="grouped sweep, e.g. 'rows=32,64;stages=2,3'")
     p.add_argument("--shapes", default=",".join(SHAPES))
     args = p.parse_args(argv)
-    space = grouped_space(args.space)
+    if args.space and not args.grouped:
+        raise SystemExit("--space sweeps the grouped kernels: give --grouped too")
+    try:
+        space = grouped_space(args.space)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     args.tokens = args.tokens or ("32,64" if args.grouped else "1,8")
     results = Results(args.out, header=run_header(torch.device("cuda")))
     bandwidth = copy_bandwidth(torch.device("cuda"))

@@ -55,23 +55,29 @@ def test_flashinfer_with_graphs_matches_the_reference_backend(name):
     assert ahead.launched_ahead_steps >= NEW_TOKENS // 2
 
 
-def test_triton_decode_replayed_gives_the_reference_backends_tokens(monkeypatch):
-    """Decode steps through torch_cp's Triton kernels (``decode_kernel="triton"``), captured and
-    replayed, and launched ahead: the torch reference backend's tokens."""
+@pytest.mark.parametrize("kernel", ["triton", "auto"])
+def test_triton_decode_replayed_gives_the_reference_backends_tokens(kernel, monkeypatch):
+    """Decode steps through torch_cp's Triton kernels (``decode_kernel="triton"``; ``"auto"``:
+    one-token steps only, here a prompt alone), captured and replayed, and launched ahead: the
+    torch reference backend's tokens."""
     from torch_cp.attention import flashinfer_gqa, triton_decode
 
     reference = torch_cp.patch_model(qwen3().cuda(), backend="torch")
-    expected = tokens(torch_cp.generate(reference, prompts(), NEW_TOKENS, progress=False))
-    monkeypatch.setattr(flashinfer_gqa, "DECODE_KERNEL", "triton")
+    monkeypatch.setattr(flashinfer_gqa, "DECODE_KERNEL", kernel)
     calls = []
     decode = triton_decode.decode
-    monkeypatch.setattr(triton_decode, "decode", lambda *a: calls.append(1) or decode(*a))
+    monkeypatch.setattr(triton_decode, "decode",
+                        lambda *a: calls.append(a[0].shape[0]) or decode(*a))
     fast = torch_cp.patch_model(qwen3().cuda(), backend="flashinfer")
     engine = torch_cp.Engine(fast, num_pages=64, page_size=16, cuda_graphs=True,
                              max_pages_per_row=8, overlap_planning=True)
-    # bf16 summed in another order than the reference's: streams may split at a near-tie only.
-    assert_equal_but_near_ties(qwen3().cuda(), expected, tokens(engine.run(prompts(), NEW_TOKENS)))
-    assert engine.replayed_steps >= NEW_TOKENS - 2 and calls
+    for batch in (prompts(), prompts()[:1]):
+        expected = tokens(torch_cp.generate(reference, batch, NEW_TOKENS, progress=False))
+        before = engine.replayed_steps
+        # bf16 summed in another order than the reference's: streams may split at a near-tie.
+        assert_equal_but_near_ties(qwen3().cuda(), expected, tokens(engine.run(batch, NEW_TOKENS)))
+        assert engine.replayed_steps - before >= NEW_TOKENS - 2
+    assert calls and (kernel == "triton" or set(calls) == {1}), calls
 
 
 @pytest.mark.parametrize("name", list(MODELS))

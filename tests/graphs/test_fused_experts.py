@@ -164,8 +164,10 @@ def test_bf16_tokens_to_fp32_experts_are_as_exact_as_transformers(kernels):
 
 
 def test_grouped_tiles_refuse_what_triton_cannot_tile():
-    with pytest.raises(ValueError, match=r"pairs 8 .*rows 48 "):
-        ge.GroupedTiles(pairs=8, rows=48, cols=64, warps=4)
+    with pytest.raises(ValueError, match=r"pairs 8 .*rows 48 .*stages 0"):
+        ge.GroupedTiles(pairs=8, rows=48, cols=64, warps=4, stages=0)
+    assert ge.GroupedTiles(16, 64, 64, 4).launch() == dict(num_warps=4)
+    assert ge.GroupedTiles(16, 64, 64, 8, stages=2).launch() == dict(num_warps=8, num_stages=2)
 
 
 @pytest.mark.parametrize("kernels, tokens", KERNELS)

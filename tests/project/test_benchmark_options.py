@@ -24,7 +24,7 @@ def test_a_tile_sets_the_triton_kernels_defaults():
     assert flashinfer_gqa.DECODE_KERNEL == "triton"
     assert [getattr(triton_decode, name) for name in TILE] == [32, 4, 1, 3, None]
     assert triton_decode.spare_items(tokens=32, kv_heads=4, sms=132) == 33
-    assert triton_decode.tile_for(1) == triton_decode.tile_for(32) == (32, 4, 1, 3)
+    assert triton_decode.tile_for(1) == triton_decode.tile_for(32)  # no one-token tile left
 
 
 def test_auto_keeps_the_tiles():
@@ -45,15 +45,24 @@ def test_a_bad_spec_exits_before_setting_anything(spec):
     assert flashinfer_gqa.DECODE_KERNEL == "flashinfer"
 
 
-def test_inductor_settings_reach_config_sections(monkeypatch):
+def test_inductor_settings_reach_config_sections():
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "max_autotune", inductor_config.max_autotune)
-    monkeypatch.setattr(inductor_config.triton, "cudagraphs", inductor_config.triton.cudagraphs)
-    assert apply_inductor_settings("max_autotune=True,triton.cudagraphs=True") == {
-        "max_autotune": True, "triton.cudagraphs": True}
-    assert inductor_config.max_autotune is True and inductor_config.triton.cudagraphs is True
-    for bad in ("no_such_setting=1", "triton.no_such=1", "no_section.x=1"):
-        with pytest.raises(SystemExit, match="no setting"):
-            apply_inductor_settings(f"max_autotune=False,{bad}")
-        assert inductor_config.max_autotune is True  # nothing set before the exit
+    # config.patch restores them (pytest's monkeypatch would leave Inductor's config broken)
+    with inductor_config.patch({"max_autotune": inductor_config.max_autotune,
+                                "triton.cudagraphs": inductor_config.triton.cudagraphs}):
+        assert apply_inductor_settings("max_autotune=True,triton.cudagraphs=True") == {
+            "max_autotune": True, "triton.cudagraphs": True}
+        assert inductor_config.max_autotune is True and inductor_config.triton.cudagraphs is True
+        for bad in ("no_such_setting=1", "triton.no_such=1", "no_section.x=1"):
+            with pytest.raises(SystemExit, match="no setting"):
+                apply_inductor_settings(f"max_autotune=False,{bad}")
+            assert inductor_config.max_autotune is True  # nothing set before the exit
+
+
+def test_the_grouped_tiles_space():
+    experts_tiles = pytest.importorskip("benchmarks.experts_tiles")
+    space = experts_tiles.grouped_space("rows=32,64;stages=2")
+    assert space == dict(experts_tiles.GROUPED_SPACE, rows=(32, 64), stages=(2,))
+    with pytest.raises(ValueError, match="'row' is not one of"):
+        experts_tiles.grouped_space("row=32")

@@ -124,9 +124,11 @@ class _GQAKernels:
         self._num_sms = backend.num_sms
         # A Triton decode step's tables, copied in place at each plan like FlashInfer's buffers
         # (captured kernels keep reading these tensors): [B, width], [B], [N]; its tile and work
-        # items. A bucket's steps all have its token count, so each keeps one kernel choice.
+        # items. A bucket's decode steps keep the kernel and tile of its first (the captured
+        # ones), whatever the module settings say later; eager steps choose at each plan.
         self._table = self._lens = self._token_row = None
         self._on_triton, self._tile, self._spare = False, None, 0
+        self._keeps_choice, self._chosen = graph, None
 
     def plan(self, plan: StepPlan) -> None:
         """Plan the step's wrappers from host indptrs (no device sync)."""
@@ -137,13 +139,11 @@ class _GQAKernels:
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         tokens = plan.positions.shape[0]
-        self._on_triton = plan.is_decode and self._triton_decode is not None and (
-            self._always_triton or tokens <= TRITON_STEP_TOKENS)
+        self._on_triton, self._tile = self._decode_choice(plan.is_decode, tokens)
         if self._on_triton:
             self._table = staged(self._table, plan.context.table)
             self._lens = staged(self._lens, plan.context.lens)
             self._token_row = staged(self._token_row, plan.token_row)
-            self._tile = self._triton_decode.tile_for(tokens)
             self._spare = self._triton_decode.spare_items(tokens, g.kv_heads, self._num_sms,
                                                           self._tile[2])
         elif plan.is_decode:
@@ -167,6 +167,18 @@ class _GQAKernels:
             self._padding = (staged(self._padding, ~real_token_mask(plan).view(-1, 1, 1))
                              if has_padding(plan) else None)
         self._is_decode, self._attends_context = plan.is_decode, plan.attends_context
+
+    def _decode_choice(self, is_decode: bool, tokens: int) -> tuple[bool, tuple | None]:
+        """Whether a step runs the Triton decode, and its tile (see ``__init__``)."""
+        if not is_decode or self._triton_decode is None:
+            return False, None
+        if self._keeps_choice and self._chosen is not None:
+            return self._chosen
+        on_triton = self._always_triton or tokens <= TRITON_STEP_TOKENS
+        choice = on_triton, self._triton_decode.tile_for(tokens) if on_triton else None
+        if self._keeps_choice:
+            self._chosen = choice
+        return choice
 
     def run_context(self, q: torch.Tensor, caches: list[torch.Tensor], layer_idx: int
                     ) -> Partial:
