@@ -1,9 +1,10 @@
 """Which kernel the FlashInfer GQA backend's decode steps run (``decode_kernel``), on the CPU
 with a stand-in ``flashinfer`` module that records its wrappers' plans: eager steps choose at
 each plan ("auto": the Triton decode for one-token steps, at its one-token tile); a captured
-bucket keeps the kernel and tile of its first plan (the capture's) when the module's settings
-change later, where re-planning the other kernel would leave the captured one reading a plan it
-never got. The kernels' numbers: ``test_triton_decode.py`` and the GPU tests."""
+bucket keeps the kernel, tile and merge (``MERGE_IN_ATTEND``) of its first plan (the capture's)
+when the module's settings change later, where re-planning the other kernel would leave the
+captured one reading a plan it never got. The kernels' numbers: ``test_triton_decode.py`` and
+the GPU tests."""
 
 from __future__ import annotations
 
@@ -104,3 +105,17 @@ def test_a_bucket_keeps_its_first_choice(backend, monkeypatch):
     assert decode_step(auto, 4) == ("triton", (td.BLOCK_N, td.WARPS, td.PROGRAMS_PER_SM,
                                                td.STAGES))
     assert decode_step(auto, 1) == ("triton", (64, 8, 2, 2))
+
+
+def test_a_bucket_keeps_whether_its_attend_kernel_merges(backend, monkeypatch):
+    monkeypatch.setattr(td, "MERGE_IN_ATTEND", True)
+    auto, one_row = backend("auto"), Bucket(1, 1, 4)
+    auto.add_bucket(one_row)
+    decode_step(auto, 1, one_row)
+    captured = auto._active
+    assert captured._merge_here and captured._counters.tolist() == [0, 0]  # a token, 2 KV heads
+    monkeypatch.setattr(td, "MERGE_IN_ATTEND", False)
+    decode_step(auto, 1, one_row)
+    assert auto._active is captured and captured._merge_here
+    decode_step(auto, 1)
+    assert not auto._active._merge_here  # eager: today's setting

@@ -126,8 +126,8 @@ class _GQAKernels:
         # (captured kernels keep reading these tensors): [B, width], [B], [N]; its tile and work
         # items. A bucket's decode steps keep the kernel and tile of its first (the captured
         # ones), whatever the module settings say later; eager steps choose at each plan.
-        self._table = self._lens = self._token_row = None
-        self._on_triton, self._tile, self._spare = False, None, 0
+        self._table = self._lens = self._token_row = self._counters = None
+        self._on_triton, self._tile, self._merge_here, self._spare = False, None, False, 0
         self._keeps_choice, self._chosen = graph, None
 
     def plan(self, plan: StepPlan) -> None:
@@ -139,13 +139,19 @@ class _GQAKernels:
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         tokens = plan.positions.shape[0]
-        self._on_triton, self._tile = self._decode_choice(plan.is_decode, tokens)
+        self._on_triton, self._tile, self._merge_here = self._decode_choice(plan.is_decode,
+                                                                            tokens)
         if self._on_triton:
             self._table = staged(self._table, plan.context.table)
             self._lens = staged(self._lens, plan.context.lens)
             self._token_row = staged(self._token_row, plan.token_row)
             self._spare = self._triton_decode.spare_items(tokens, g.kv_heads, self._num_sms,
                                                           self._tile[2])
+            if self._merge_here and (self._counters is None
+                                     or self._counters.numel() < tokens * g.kv_heads):
+                # zero again after every call: kept (a captured kernel keeps reading them)
+                self._counters = torch.zeros(tokens * g.kv_heads, dtype=torch.int32,
+                                             device=plan.positions.device)
         elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
@@ -168,14 +174,17 @@ class _GQAKernels:
                              if has_padding(plan) else None)
         self._is_decode, self._attends_context = plan.is_decode, plan.attends_context
 
-    def _decode_choice(self, is_decode: bool, tokens: int) -> tuple[bool, tuple | None]:
-        """Whether a step runs the Triton decode, and its tile (see ``__init__``)."""
+    def _decode_choice(self, is_decode: bool, tokens: int) -> tuple[bool, tuple | None, bool]:
+        """Whether a step runs the Triton decode, its tile, and whether its attend kernel
+        merges (see ``__init__``)."""
         if not is_decode or self._triton_decode is None:
-            return False, None
+            return False, None, False
         if self._keeps_choice and self._chosen is not None:
             return self._chosen
+        td = self._triton_decode
         on_triton = self._always_triton or tokens <= TRITON_STEP_TOKENS
-        choice = on_triton, self._triton_decode.tile_for(tokens) if on_triton else None
+        choice = ((True, td.tile_for(tokens), td.MERGE_IN_ATTEND) if on_triton
+                  else (False, None, False))
         if self._keeps_choice:
             self._chosen = choice
         return choice
@@ -188,7 +197,8 @@ class _GQAKernels:
             block_n, warps, _, stages = self._tile
             return Partial(*self._triton_decode.decode(
                 q, caches[0][layer_idx], self._table, self._lens, self._token_row,
-                self.geometry.scale, self._spare, block_n, warps, stages))
+                self.geometry.scale, self._spare, block_n, warps, stages,
+                self._counters if self._merge_here else None))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
         return Partial(out, lse)
