@@ -169,7 +169,7 @@ def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_
             if tl.atomic_add(counter, 1, sem="acq_rel") == count - 1:
                 _merge_here(part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, n, h, first, count, items,
                             out_sn, out_sh, heads_total, G, GP, D, SP)
-                tl.atomic_xchg(counter, 0)
+                tl.atomic_xchg(counter, 0, sem="relaxed")  # the kernel's end orders it
 
 
 @triton.jit
