@@ -94,10 +94,16 @@ def test_abort_of_a_waiting_request_and_of_an_unknown_id():
     e.step()
     e.abort(second)
     e.abort(12345)  # never submitted: nothing happens
+    e.abort(torch.tensor(first + 100))  # an integer tensor is an id too
+    with pytest.raises(ValueError, match="abort takes a request id"):
+        e.abort([first])
     got, reasons = collect(e.step() + list(e.stream()))
     assert reasons == {second: "abort", first: "length"}
     assert second not in got or got[second] == []
     assert_pool_whole(e)
+    e.abort(first)  # finished: nothing to end, nothing left unfinished
+    assert not e.has_unfinished()
+    assert [r.finish_reason for r in e.run([PROMPTS[2]], 2)] == ["length"]
 
 
 def test_a_hybrid_models_abort_returns_its_state_slot():
@@ -201,6 +207,27 @@ def test_an_abort_with_a_step_launched_ahead_leaves_no_stale_step(hf_tokens):
     later = e.submit(PROMPTS[2], NEW)
     assert [(o.request_id, o.token_ids) for o in e.step()] == [(later, (hf_tokens[2][0],))]
     collect(e.stream())
+    assert_pool_whole(e)
+
+
+@pytest.mark.parametrize("how", ["abort", "stop"])
+def test_a_greedy_request_ending_ahead_of_a_waiting_sampled_one(hf_tokens, how):
+    """A greedy request decodes with steps launched ahead while a sampled one waits for its row
+    (``max_rows=1``); the greedy one ends (aborted, or at a stop token) while a step is launched
+    ahead for it: that step's token is dropped, nothing else (the waiting request once lost
+    every request: its sampling made the launched step sample on the host, over a row whose
+    request had no parameters left)."""
+    e = engine(max_rows=1, overlap_planning=True)
+    stop = [hf_tokens[1][3]] if how == "stop" else []
+    greedy = e.submit(PROMPTS[1], NEW, stop_token_ids=stop)
+    outputs = [o for _ in range(3) for o in e.step()]  # prefill, then decode steps launched ahead
+    sampled = e.submit(PROMPTS[2], 5, sampling=SamplingParams(temperature=0.7, seed=1))
+    outputs += e.step()
+    if how == "abort":
+        e.abort(greedy)
+    got, reasons = collect(outputs + [o for _ in range(2) for o in e.step()] + list(e.stream()))
+    assert reasons == {greedy: how, sampled: "length"} and len(got[sampled]) == 5
+    assert got[greedy] == hf_tokens[1][:len(got[greedy])]
     assert_pool_whole(e)
 
 

@@ -264,7 +264,7 @@ class Engine(BatchRuns, Serving):
         sampled = [b for b, r in enumerate(rows) if r.samples]
         launched = LaunchedStep(rows, sampled, self.launcher.launch(step, ids, sampled))
         self.replayed_steps += step.plan.bucket is not None
-        if sampled and all_greedy(sampling):
+        if sampled and all_greedy(sampling, [rows[b].request for b in sampled]):
             tokens = greedy_tokens(launched.logits)
             launched.send_ids_home(broadcast_from_rank0(tokens) if self.broadcast else tokens)
         return launched

@@ -117,25 +117,31 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
-def all_greedy(params: SamplingParams | Mapping[int, SamplingParams]) -> bool:
-    """Whether every request samples greedily (one ``SamplingParams`` or one per request)."""
+def all_greedy(params: SamplingParams | Mapping[int, SamplingParams],
+               requests: Sequence[int] | None = None) -> bool:
+    """Whether every request samples greedily (one ``SamplingParams`` or one per request); with
+    ``requests``, every one of those (one without parameters, ended since: greedily)."""
     if isinstance(params, SamplingParams):
         return params.greedy
-    return all(p.greedy for p in params.values())
+    if requests is None:
+        return all(p.greedy for p in params.values())
+    return all(params.get(r, _GREEDY).greedy for r in requests)
 
 
 def sample_rows(logits_bv: torch.Tensor, params: SamplingParams | Mapping[int, SamplingParams],
                 requests: Sequence[int], generators: Mapping[int, torch.Generator]
                 ) -> torch.Tensor:
     """``sample`` for rows of ``requests``, with one ``SamplingParams`` for all or one per
-    request (rows sharing parameters are sampled together). [B] int64 ids on the host."""
+    request (rows sharing parameters are sampled together). [B] int64 ids on the host. A
+    request without parameters (one that ended after its step was launched ahead, whose token
+    the caller drops) is sampled greedily."""
     if isinstance(params, SamplingParams):
         return sample(logits_bv, params, None if params.greedy else
                       [generators[r] for r in requests])
     out = torch.empty(len(requests), dtype=torch.int64)
     groups: dict[SamplingParams, list[int]] = {}
     for b, r in enumerate(requests):
-        groups.setdefault(params[r], []).append(b)
+        groups.setdefault(params.get(r, _GREEDY), []).append(b)
     for p, rows in groups.items():
         index = torch.tensor(rows)
         picked = logits_bv.index_select(0, index.to(logits_bv.device))
@@ -155,3 +161,6 @@ def broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
 def _real(value) -> bool:
     """A real number (Python's or NumPy's), not a bool (whose True would pass as 1)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+_GREEDY = SamplingParams()  # rows of requests that ended since their step launched

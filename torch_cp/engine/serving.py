@@ -19,6 +19,7 @@ job cannot go on (README says how to shorten the wait).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -120,7 +121,14 @@ class Serving:
 
     def abort(self, request_id: int) -> None:
         """End a request at the next step boundary; its pages and state slot return then (a
-        step already launched for it may still finish on the device; its token is dropped)."""
+        step already launched for it may still finish on the device; its token is dropped). An
+        id no queued or running request has (finished, unknown) changes nothing; anything but
+        an integer id is a ValueError, at once."""
+        try:
+            request_id = operator.index(request_id)
+        except TypeError:
+            raise ValueError(f"abort takes a request id (an int from submit), got "
+                             f"{request_id!r}") from None
         self._pending.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
@@ -128,7 +136,8 @@ class Serving:
         collective: call it on every rank, as ``stream`` does), so that every rank steps as
         often as rank 0, whose submissions alone count."""
         s = self._scheduler
-        local = bool(self._pending) or (s is not None and not s.done)
+        local = (s is not None and not s.done) or any(  # aborts of no live request: nothing
+            op[0] == "submit" or op[1] in self._options for op in self._pending)
         if not self.broadcast:
             return local
         box = [local]
