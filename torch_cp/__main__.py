@@ -109,9 +109,11 @@ def argument_problems(args, cuda: bool) -> list[str]:
     except ValueError as e:  # --temperature, --top-k, --top-p
         problems.append(str(e))
     folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
-    if folder is not None and not os.path.isdir(folder):
-        problems.append(f"--json {args.json}: the folder {folder} does not exist")
-    return problems
+    json_problem = folder and (f"the folder {folder} does not exist" if not os.path.isdir(folder)
+                               else "a folder, not a file" if os.path.isdir(args.json)
+                               else f"the folder {folder} is not writable"
+                               if not os.access(folder, os.W_OK) else None)
+    return problems + ([f"--json {args.json}: {json_problem}"] if json_problem else [])
 
 
 def _first_line(error: Exception) -> str:

@@ -57,6 +57,11 @@ class ModelRuntime:
     linear_kernels: str = "torch"
     experts_before: tuple | None = field(default=None, repr=False)
 
+    def __deepcopy__(self, memo):
+        raise ValueError("a patched model cannot be deep-copied: its patched forwards, backend and "
+                         "pools belong to this model, and a copy would attend through them; copy "
+                         "the model before torch_cp.patch_model, or unpatch_model it first")
+
     @property
     def spans_ranks(self) -> bool:
         """Whether one step of this model runs on more than one rank (partners or TP)."""

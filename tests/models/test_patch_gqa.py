@@ -11,6 +11,8 @@ models (> 1e-3), so a wrong position, head, norm or page would fail it.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -152,7 +154,11 @@ def test_patch_twice_raises_and_unpatch_restores():
     torch.testing.assert_close(logits, ref_logits, atol=0, rtol=0)
     with pytest.raises(ValueError, match="not patched"):
         torch_cp.unpatch_model(model)
+    assert copy.deepcopy(model) is not model  # unpatched: an ordinary model
     torch_cp.patch_model(model, page_size=4)  # patchable again
+    # A copy would keep calling the original's patched modules (closures over them).
+    with pytest.raises(ValueError, match="cannot be deep-copied.*before torch_cp.patch_model"):
+        copy.deepcopy(model)
     assert_matches(greedy(model, PROMPTS[:1], NEW_TOKENS), ref_tokens, ref_logits, "repatched")
 
 

@@ -198,6 +198,14 @@ def test_a_model_path_is_checked_before_anything_loads(tmp_path):
                                                                       "folder is expected)")
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(capsys, tmp_path):
+    for path, problem in ((tmp_path, "a folder, not a file"),):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["--json", str(path)])
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == f"torch_cp: error: --json {path}: {problem}\n"
+
+
 @pytest.mark.parametrize("rank,printed", [("0", True), ("1", False)])
 def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, rank, printed):
     monkeypatch.setenv("RANK", rank)

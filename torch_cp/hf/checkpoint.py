@@ -175,8 +175,11 @@ def map_checkpoint(model: nn.Module, leaves: dict[str, Leaf]
     checkpoint, checkpoint keys the model has no place for, shapes that differ, conversions not
     supported. Names tied to another (``lm_head.weight`` with tied embeddings) are read once."""
     state = model.state_dict()
-    expected = {n for n, _ in model.named_parameters()} | (
-        {n for n, _ in model.named_buffers()} & state.keys())
+    buffers = {n for n, _ in model.named_buffers()}
+    expected = {n for n, _ in model.named_parameters()} | (buffers & state.keys())
+    # What the model computes at init and never saves (RoPE's inv_freq, which older checkpoints
+    # hold per layer): skipped, as transformers skips it.
+    computed = {n.rpartition(".")[2] for n in buffers - state.keys()}
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -190,7 +193,8 @@ def map_checkpoint(model: nn.Module, leaves: dict[str, Leaf]
         if name not in state and key in state:
             name, pattern = key, None
         if name not in state:
-            if not _ignored(key, getattr(model, "_keys_to_ignore_on_load_unexpected", None)):
+            if not (_ignored(key, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+                    or key.rpartition(".")[2] in computed):
                 unexpected.append(key)
         elif pattern is None:
             plain[name] = leaves[key]
