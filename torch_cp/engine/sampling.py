@@ -118,13 +118,11 @@ def sample(logits_bv: torch.Tensor, params: SamplingParams,
 
 
 def all_greedy(params: SamplingParams | Mapping[int, SamplingParams],
-               requests: Sequence[int] | None = None) -> bool:
-    """Whether every request samples greedily (one ``SamplingParams`` or one per request); with
-    ``requests``, every one of those (one without parameters, ended since: greedily)."""
+               requests: Sequence[int]) -> bool:
+    """Whether every one of ``requests`` samples greedily (one ``SamplingParams`` for all or
+    one per request; a request without parameters, ended since its step launched, greedily)."""
     if isinstance(params, SamplingParams):
         return params.greedy
-    if requests is None:
-        return all(p.greedy for p in params.values())
     return all(params.get(r, _GREEDY).greedy for r in requests)
 
 
