@@ -55,7 +55,8 @@ class tied_positions:
 
     def __init__(self, model):
         self.model, self.positions = model, set()
-        self.k = model.config.get_text_config().num_experts_per_tok
+        # A dense model has no gate to hook: no position is ever at a router tie.
+        self.k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
 
     def __enter__(self):
         def make(_index):
