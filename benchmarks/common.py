@@ -70,11 +70,11 @@ def apply_inductor_settings(text: str) -> dict:
     return settings
 
 
-DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (Triton for "
-                      "one-token steps), or 'triton:B:W:P[:S]' (the Triton kernels at one tile "
+DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (torch_cp's "
+                      "default: Triton for one-token steps over short rows), or "
+                      "'triton:B:W:P[:S]' (the Triton kernels at one tile "
                       "for every step: context tokens a block, warps, programs an SM, pipeline "
-                      "stages; decode_kernels --triton sweeps them); 'triton+merge' and "
-                      "'auto+merge' (also with a tile): the Triton attend kernel merges itself")
+                      "stages; decode_kernels --triton sweeps them)")
 
 
 def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
@@ -93,25 +93,21 @@ def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
 def apply_decode_kernel(spec: str | None) -> str:
     """Set torch_cp's GQA decode kernel from ``--decode-kernel`` (``DECODE_KERNEL_HELP``) and
     return what the results record."""
-    if not spec:
-        return "flashinfer"
-    kind, _, tile = spec.partition(":")
-    kind, merge = kind.removesuffix("+merge"), kind.endswith("+merge")
-    if (kind not in ("flashinfer", "triton", "auto") or (tile and kind != "triton")
-            or (merge and kind == "flashinfer")):
-        raise SystemExit(f"--decode-kernel: {DECODE_KERNEL_HELP}; got {spec!r}")
-    values = triton_tile(tile) if tile else None  # refused before anything is set
     from torch_cp.attention import flashinfer_gqa
 
+    if not spec:
+        return flashinfer_gqa.DECODE_KERNEL  # torch_cp's default
+    kind, _, tile = spec.partition(":")
+    if kind not in ("flashinfer", "triton", "auto") or (tile and kind != "triton"):
+        raise SystemExit(f"--decode-kernel: {DECODE_KERNEL_HELP}; got {spec!r}")
+    values = triton_tile(tile) if tile else None  # refused before anything is set
     flashinfer_gqa.DECODE_KERNEL = kind
-    if kind != "flashinfer":
+    if values:
         from torch_cp.attention import triton_decode
 
-        triton_decode.MERGE_IN_ATTEND = merge
-        if values:
-            (triton_decode.BLOCK_N, triton_decode.WARPS, triton_decode.PROGRAMS_PER_SM,
-             triton_decode.STAGES) = values
-            triton_decode.ONE_TOKEN_TILE = None  # the tile given for every step
+        (triton_decode.BLOCK_N, triton_decode.WARPS, triton_decode.PROGRAMS_PER_SM,
+         triton_decode.STAGES) = values
+        triton_decode.ONE_TOKEN_TILE = None  # the tile given for every step
     return spec
 
 

@@ -15,8 +15,7 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
 - ``cuda_cores``: the CUDA-core decode kernel (GQA groups FlashInfer's dispatch takes);
 - ``triton``: torch_cp's chunked Triton kernels (``torch_cp/attention/triton_decode.py``), with
   the work items a captured step of these rows gets; ``--triton B:W:P[:S],...`` adds a variant
-  per tile (context tokens a tile, warps, programs an SM, pipeline stages), for tuning;
-  ``--merge-here`` each as ``triton+merge`` too (the attend kernel merges, one kernel).
+  per tile (context tokens a tile, warps, programs an SM, pipeline stages), for tuning.
 
 Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
 another order). KV bytes over the time set against the copy bandwidth of the same run. A KV that
@@ -70,10 +69,8 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
         spare = triton_decode.spare_items(batch, shape["kv_heads"], sms, per_sm)
         scale = shape["head_dim"] ** -0.5
         row_lens = torch.tensor(lens, **i32)
-        counters = (torch.zeros(batch * shape["kv_heads"], **i32)
-                    if name.startswith("triton+merge") else None)
         return lambda kv: triton_decode.decode(q, kv, table, row_lens, rows, scale, spare,
-                                               block, warps, stages, counters)
+                                               block, warps, stages)
     import flashinfer
 
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lens, pages)], dtype=torch.int32)
@@ -92,10 +89,8 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
 
 
 def variant_tile(name: str) -> tuple:
-    """``"triton"`` (or ``"triton+merge"``): the module's tile (None each);
-    ``"triton:B:W:P[:S]"``: that tile."""
-    tile = name.partition(":")[2]
-    return triton_tile(tile) if tile else (None,) * 4
+    """``"triton"``: the module's tile (None each); ``"triton:B:W:P[:S]"``: that tile."""
+    return (None,) * 4 if name == "triton" else triton_tile(name.partition(":")[2])
 
 
 def row_lengths(case: str) -> list[int]:
@@ -145,12 +140,8 @@ def main(argv=None) -> int:
                     help="more FlashInfer variants: the KV split fixed at N pages, 'N,...'")
     ap.add_argument("--layers", type=int, default=1,
                     help="layers' KV timed in turn (4 puts 32 x 512 of Qwen3-30B-A3B past L2)")
-    ap.add_argument("--merge-here", action="store_true",
-                    help="each Triton variant also as 'triton+merge': its attend kernel merges")
     args = ap.parse_args(argv)
     tiles = tuple(f"triton:{t}" for t in args.triton.split(",") if t)
-    if args.merge_here:
-        tiles += tuple(name.replace("triton", "triton+merge", 1) for name in ("triton", *tiles))
     for name in tiles:
         variant_tile(name)  # a malformed tile exits before any timing
     variants = VARIANTS + tuple(f"fa2_split:{int(n)}" for n in args.splits.split(",") if n) + tiles

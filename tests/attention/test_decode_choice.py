@@ -1,10 +1,10 @@
 """Which kernel the FlashInfer GQA backend's decode steps run (``decode_kernel``), on the CPU
 with a stand-in ``flashinfer`` module that records its wrappers' plans: eager steps choose at
-each plan ("auto": the Triton decode for one-token steps, at its one-token tile); a captured
-bucket keeps the kernel, tile and merge (``MERGE_IN_ATTEND``) of its first plan (the capture's)
-when the module's settings change later, where re-planning the other kernel would leave the
-captured one reading a plan it never got. The kernels' numbers: ``test_triton_decode.py`` and
-the GPU tests."""
+each plan ("auto": the Triton decode for one-token steps over short rows, at its one-token
+tile); a captured
+bucket keeps the kernel and tile of its first plan (the capture's) when the module's settings
+change later, where re-planning the other kernel would leave the captured one reading a plan it
+never got. The kernels' numbers: ``test_triton_decode.py`` and the GPU tests."""
 
 from __future__ import annotations
 
@@ -61,10 +61,13 @@ def backend(monkeypatch):
     return make
 
 
-def decode_step(backend, rows: int, bucket: Bucket | None = None):
-    """Plan a decode step of ``rows`` one-token rows; the kernel it chose and its tile."""
-    plan = build_step_plan([1] * rows, [5] * rows, [[i] for i in range(rows)], page_size=16,
-                           sink_page=99, bucket=bucket)
+def decode_step(backend, rows: int, bucket: Bucket | None = None, context: int = 5):
+    """Plan a decode step of ``rows`` one-token rows after ``context`` tokens each (pages of 16);
+    the kernel it chose and its tile."""
+    pages = context // 16 + 1
+    plan = build_step_plan([1] * rows, [context] * rows,
+                           [list(range(i * pages, (i + 1) * pages)) for i in range(rows)],
+                           page_size=16, sink_page=999, bucket=bucket)
     _Wrapper.planned.clear()
     backend.plan(plan)
     kernels = backend._active
@@ -78,6 +81,22 @@ def test_auto_chooses_at_each_eager_step(backend):
     one = ("triton", td.ONE_TOKEN_TILE)
     assert [decode_step(auto, rows) for rows in (1, 3, 1, 2)] == [
         one, ("flashinfer", None), one, ("flashinfer", None)]
+
+
+def test_auto_leaves_rows_longer_than_its_limit_to_flashinfer(backend):
+    """By the widest row an eager step holds, by its table width a bucket (a row of it may grow
+    to the width after capture)."""
+    auto, one = backend("auto"), ("triton", td.ONE_TOKEN_TILE)
+    limit = fg.TRITON_MAX_CONTEXT
+    assert decode_step(auto, 1, context=limit - 1) == one  # a table of limit slots
+    assert decode_step(auto, 1, context=limit) == ("flashinfer", None)
+    narrow, wide = Bucket(1, 1, limit // 16), Bucket(1, 1, limit // 16 + 1)
+    for bucket in (narrow, wide):
+        auto.add_bucket(bucket)
+    assert decode_step(auto, 1, narrow) == one
+    assert decode_step(auto, 1, wide) == ("flashinfer", None)  # a 5-token row, a wide table
+    always = backend("triton")
+    assert decode_step(always, 1, context=4 * limit) == one
 
 
 def test_triton_runs_every_decode_step_at_the_tile_for_its_size(backend):
@@ -105,17 +124,3 @@ def test_a_bucket_keeps_its_first_choice(backend, monkeypatch):
     assert decode_step(auto, 4) == ("triton", (td.BLOCK_N, td.WARPS, td.PROGRAMS_PER_SM,
                                                td.STAGES))
     assert decode_step(auto, 1) == ("triton", (64, 8, 2, 2))
-
-
-def test_a_bucket_keeps_whether_its_attend_kernel_merges(backend, monkeypatch):
-    monkeypatch.setattr(td, "MERGE_IN_ATTEND", True)
-    auto, one_row = backend("auto"), Bucket(1, 1, 4)
-    auto.add_bucket(one_row)
-    decode_step(auto, 1, one_row)
-    captured = auto._active
-    assert captured._merge_here and captured._counters.tolist() == [0, 0]  # a token, 2 KV heads
-    monkeypatch.setattr(td, "MERGE_IN_ATTEND", False)
-    decode_step(auto, 1, one_row)
-    assert auto._active is captured and captured._merge_here
-    decode_step(auto, 1)
-    assert not auto._active._merge_here  # eager: today's setting

@@ -9,7 +9,7 @@ from benchmarks.common import apply_decode_kernel, apply_inductor_settings
 from torch_cp.attention import flashinfer_gqa
 
 triton_decode = pytest.importorskip("torch_cp.attention.triton_decode")
-TILE = ("BLOCK_N", "WARPS", "PROGRAMS_PER_SM", "STAGES", "ONE_TOKEN_TILE", "MERGE_IN_ATTEND")
+TILE = ("BLOCK_N", "WARPS", "PROGRAMS_PER_SM", "STAGES", "ONE_TOKEN_TILE")
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +22,7 @@ def restore(monkeypatch):
 def test_a_tile_sets_the_triton_kernels_defaults():
     assert apply_decode_kernel("triton:32:4:1:3") == "triton:32:4:1:3"
     assert flashinfer_gqa.DECODE_KERNEL == "triton"
-    assert [getattr(triton_decode, name) for name in TILE] == [32, 4, 1, 3, None, False]
+    assert [getattr(triton_decode, name) for name in TILE] == [32, 4, 1, 3, None]
     assert triton_decode.spare_items(tokens=32, kv_heads=4, sms=132) == 33
     assert triton_decode.tile_for(1) == triton_decode.tile_for(32)  # no one-token tile left
 
@@ -30,24 +30,18 @@ def test_a_tile_sets_the_triton_kernels_defaults():
 def test_auto_keeps_the_tiles():
     one_token = triton_decode.ONE_TOKEN_TILE
     assert apply_decode_kernel("auto") == "auto" == flashinfer_gqa.DECODE_KERNEL
-    assert triton_decode.ONE_TOKEN_TILE == one_token and not triton_decode.MERGE_IN_ATTEND
+    assert triton_decode.ONE_TOKEN_TILE == one_token
 
 
-@pytest.mark.parametrize("spec", ["auto+merge", "triton+merge", "triton+merge:64:8:1"])
-def test_merge_sets_the_attend_kernel_merging(spec):
-    assert apply_decode_kernel(spec) == spec
-    assert flashinfer_gqa.DECODE_KERNEL == spec.split("+")[0]
-    assert triton_decode.MERGE_IN_ATTEND
-
-
-def test_no_spec_leaves_flashinfer():
-    assert apply_decode_kernel(None) == "flashinfer" == flashinfer_gqa.DECODE_KERNEL
+def test_no_spec_leaves_torch_cps_default():
+    default = flashinfer_gqa.DECODE_KERNEL
+    assert apply_decode_kernel(None) == default == flashinfer_gqa.DECODE_KERNEL
 
 
 @pytest.mark.parametrize("spec", ["cuda", "flashinfer:64:4:1", "auto:64:4:1", "triton:48:4:1",
-                                  "triton:64:4", "triton:64:4:1:2:9", "triton:x:4:1",
-                                  "flashinfer+merge", "auto+merge:64:4:1"])
+                                  "triton:64:4", "triton:64:4:1:2:9", "triton:x:4:1"])
 def test_a_bad_spec_exits_before_setting_anything(spec):
+    flashinfer_gqa.DECODE_KERNEL = "flashinfer"  # restored by the fixture
     with pytest.raises(SystemExit):
         apply_decode_kernel(spec)
     assert flashinfer_gqa.DECODE_KERNEL == "flashinfer"

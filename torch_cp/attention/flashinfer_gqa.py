@@ -33,13 +33,17 @@ CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's decode dispatch
 TENSOR_CORE_MIN_GROUP = 4
 # Decode steps' kernel: FlashInfer's, torch_cp's chunked Triton kernels ("triton",
 # triton_decode.py), or "auto": the Triton kernels for steps of at most TRITON_STEP_TOKENS
-# tokens, FlashInfer's above. On an H200 in a CUDA graph (runs 81, 87, group 8) the Triton
-# kernels win at one short row (6.4 against 9.6 us at 1 x 512 at their one-token tile) and lose
-# at 32-64 rows (20.7 / 33.9 against 20.5 / 28.8 us at 512, their best tiles): FlashInfer stays
-# the default until "auto" is measured inside a step.
-DECODE_KERNEL = "flashinfer"
+# tokens whose rows hold at most TRITON_MAX_CONTEXT of this partner's slots (a captured bucket:
+# its table width, which no row of it outgrows; an eager step: its widest row), FlashInfer's
+# otherwise. On an H200 in a CUDA graph, four layers' KV in turn (run 91), the one-token tile
+# against FlashInfer for one row of Qwen3-8B / Qwen3-30B-A3B's layer: 6.9 / 6.5 against
+# 9.6 / 10.0 us at 512 slots, 18.4 / 11.6 against 14.5 / 11.9 at 4096, 99 / 56 against 42 / 28
+# at 32768; and Qwen3-30B-A3B's batch-1 step at prompt 512 3.69 against 3.88 ms (run 93). At
+# 32-64 rows FlashInfer wins (runs 81, 87).
+DECODE_KERNEL = "auto"
 DECODE_KERNELS = ("flashinfer", "triton", "auto")
 TRITON_STEP_TOKENS = 1
+TRITON_MAX_CONTEXT = 1024
 
 
 def use_tensor_core_decode(group_size: int) -> bool:
@@ -56,7 +60,8 @@ class FlashInferGQABackend(FlashInferBackend):
         dtype: query and pool dtype (bf16 or fp16; only bf16 kernels are prebuilt here).
         decode_tensor_cores: force the decode path; ``None`` decides from the context GQA group.
         decode_kernel: ``"flashinfer"``, ``"triton"`` (``triton_decode``) or ``"auto"`` (Triton for
-            decode steps of at most ``TRITON_STEP_TOKENS`` tokens) for decode steps; ``None``:
+            decode steps of at most ``TRITON_STEP_TOKENS`` tokens over rows of at most
+            ``TRITON_MAX_CONTEXT`` of this partner's slots) for decode steps; ``None``:
             ``DECODE_KERNEL`` where the Triton kernels take the shapes, else FlashInfer's.
     """
 
@@ -126,8 +131,8 @@ class _GQAKernels:
         # (captured kernels keep reading these tensors): [B, width], [B], [N]; its tile and work
         # items. A bucket's decode steps keep the kernel and tile of its first (the captured
         # ones), whatever the module settings say later; eager steps choose at each plan.
-        self._table = self._lens = self._token_row = self._counters = None
-        self._on_triton, self._tile, self._merge_here, self._spare = False, None, False, 0
+        self._table = self._lens = self._token_row = None
+        self._on_triton, self._tile, self._spare = False, None, 0
         self._keeps_choice, self._chosen = graph, None
 
     def plan(self, plan: StepPlan) -> None:
@@ -139,19 +144,14 @@ class _GQAKernels:
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         tokens = plan.positions.shape[0]
-        self._on_triton, self._tile, self._merge_here = self._decode_choice(plan.is_decode,
-                                                                            tokens)
+        width = plan.context.table.shape[1] * plan.local_page_size  # slots a row can hold
+        self._on_triton, self._tile = self._decode_choice(plan.is_decode, tokens, width)
         if self._on_triton:
             self._table = staged(self._table, plan.context.table)
             self._lens = staged(self._lens, plan.context.lens)
             self._token_row = staged(self._token_row, plan.token_row)
             self._spare = self._triton_decode.spare_items(tokens, g.kv_heads, self._num_sms,
                                                           self._tile[2])
-            if self._merge_here and (self._counters is None
-                                     or self._counters.numel() < tokens * g.kv_heads):
-                # zero again after every call: kept (a captured kernel keeps reading them)
-                self._counters = torch.zeros(tokens * g.kv_heads, dtype=torch.int32,
-                                             device=plan.positions.device)
         elif plan.is_decode:
             ctx = plan.context_host
             self._fences["decode"].wait()
@@ -174,17 +174,17 @@ class _GQAKernels:
                              if has_padding(plan) else None)
         self._is_decode, self._attends_context = plan.is_decode, plan.attends_context
 
-    def _decode_choice(self, is_decode: bool, tokens: int) -> tuple[bool, tuple | None, bool]:
-        """Whether a step runs the Triton decode, its tile, and whether its attend kernel
-        merges (see ``__init__``)."""
+    def _decode_choice(self, is_decode: bool, tokens: int, width: int
+                       ) -> tuple[bool, tuple | None]:
+        """Whether a step of ``tokens`` over rows of up to ``width`` slots runs the Triton
+        decode, and its tile (see ``__init__``)."""
         if not is_decode or self._triton_decode is None:
-            return False, None, False
+            return False, None
         if self._keeps_choice and self._chosen is not None:
             return self._chosen
-        td = self._triton_decode
-        on_triton = self._always_triton or tokens <= TRITON_STEP_TOKENS
-        choice = ((True, td.tile_for(tokens), td.MERGE_IN_ATTEND) if on_triton
-                  else (False, None, False))
+        on_triton = self._always_triton or (tokens <= TRITON_STEP_TOKENS
+                                             and width <= TRITON_MAX_CONTEXT)
+        choice = on_triton, self._triton_decode.tile_for(tokens) if on_triton else None
         if self._keeps_choice:
             self._chosen = choice
         return choice
@@ -197,8 +197,7 @@ class _GQAKernels:
             block_n, warps, _, stages = self._tile
             return Partial(*self._triton_decode.decode(
                 q, caches[0][layer_idx], self._table, self._lens, self._token_row,
-                self.geometry.scale, self._spare, block_n, warps, stages,
-                self._counters if self._merge_here else None))
+                self.geometry.scale, self._spare, block_n, warps, stages))
         wrapper = self._decode if self._is_decode else self._context
         out, lse = wrapper.run(q.contiguous(), caches[0][layer_idx], return_lse=True)
         return Partial(out, lse)

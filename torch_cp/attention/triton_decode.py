@@ -11,10 +11,9 @@ work items per KV head: ``tokens + spare`` items, the spare sized to keep every 
 chunk is a program, found from the tokens' lengths on the device (a prefix sum), so a long row
 among short ones gets many programs and the grid depends on the step's shape only: a CUDA graph
 replays it for any lengths, with no planning on the host. A second kernel merges each token's
-chunks (running max, sum and output in float32) into its output and base-2 LSE; or, given
-counters (``MERGE_IN_ATTEND``), the attend kernel does: each program counts its chunk done
-(an acquire-release atomic after its partial is stored), and the one that finishes a token's
-last chunk merges them all and sets the count back to zero, so a step is one kernel a layer.
+chunks (running max, sum and output in float32) into its output and base-2 LSE. (Merging in
+the attend kernel instead, the last program of a token's chunks found by an atomic count, was
+2-10x slower on the H200 at every size of run 91; it is in fa8a115.)
 
 Tokens past a row's length, padding tokens (``token_row`` -1) and the sink page are never read
 (masked loads), so NaN there never reaches a real token. A token with no context gets out 0 and
@@ -40,11 +39,7 @@ STAGES: int | None = None  # its loop's pipeline stages; None: Triton's default
 # above and FlashInfer's 9.6 (run 87, four layers' KV in turn). None: the tile above always.
 ONE_TOKEN_TILE: tuple[int, int, int, int | None] | None = (32, 4, 1, 3)
 ONE_TOKEN_STEPS = 1
-# Whether the backends pass ``decode`` its counters, so the attend kernel merges a token's chunks
-# itself (one kernel a layer instead of two). Off until timed on the GPU.
-MERGE_IN_ATTEND = False
 MERGE_BLOCK = 16  # chunks the merge combines at a time
-MERGE_HERE_CHUNKS = 4  # ... where the attend kernel merges (with the counters): [4, G, D] a load
 LOG2E = 1.0 / math.log(2.0)
 # Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot wrongly: there they go as fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -65,60 +60,14 @@ def _chunks(lens_ptr, token_row_ptr, tokens, spare, NP: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _merge_here(part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, n, h, first, count, items, out_sn,
-                out_sh, heads_total, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                SP: tl.constexpr):
-    """Token ``n``'s ``count`` chunks from ``first`` for KV head ``h``'s G query heads, merged
-    (running max, sum and output in float32) into its output and base-2 LSE; SP chunks a
-    load. The partials come from other programs: read past L1 (``.cg``)."""
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    top = tl.full([GP], float("-inf"), tl.float32)
-    norm = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for c0 in range(0, count, SP):
-        c = c0 + tl.arange(0, SP)
-        valid = (c < count)[:, None] & (g < G)[None, :]  # [SP, GP]
-        part = (h * items + first + c).to(tl.int64)[:, None] * G + g[None, :]
-        m = tl.load(part_ml_ptr + part * 2, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        total = tl.load(part_ml_ptr + part * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
-        top_new = tl.maximum(top, tl.max(m, 0))  # finite where g < G: every chunk saw a token
-        base = tl.where(top_new == float("-inf"), 0.0, top_new)  # (the padding heads': no NaN)
-        weight = tl.where(valid, tl.exp2(m - base[None, :]), 0.0)
-        rescale = tl.exp2(top - base)
-        outs = tl.load(part_o_ptr + part[:, :, None] * D + d[None, None, :],
-                       mask=valid[:, :, None], other=0.0, cache_modifier=".cg")
-        acc = acc * rescale[:, None] + tl.sum(outs * weight[:, :, None], 0)
-        norm = norm * rescale + tl.sum(total * weight, 0)
-        top = top_new
-    heads = h * G + g
-    norm = tl.where(g < G, norm, 1.0)
-    tl.store(out_ptr + n.to(tl.int64) * out_sn + heads[:, None] * out_sh + d[None, :],
-             (acc / norm[:, None]).to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
-    tl.store(lse_ptr + n.to(tl.int64) * heads_total + heads, top + tl.log2(norm), mask=g < G)
-
-
-@triton.jit
 def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_ml_ptr,
             scale_log2, tokens, spare, items, q_sn, q_sh, kv_sp, kv_skv, kv_ss, kv_sh, table_sr,
-            out_ptr, lse_ptr, counters_ptr, kv_heads, out_sn, out_sh, heads_total,
             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK: tl.constexpr, NP: tl.constexpr, FP32_DOT: tl.constexpr,
-            MERGE_HERE: tl.constexpr, SP: tl.constexpr):
+            BLOCK: tl.constexpr, NP: tl.constexpr, FP32_DOT: tl.constexpr):
     w = tl.program_id(0)
     h = tl.program_id(1)
     i, row_i, length_i, count_i, first_i, chunk = _chunks(lens_ptr, token_row_ptr, tokens, spare,
                                                           NP, BLOCK)
-    if MERGE_HERE and w < tokens:  # a token of no chunk (no context, padding): out 0, lse -inf
-        if tl.sum(tl.where(i == w, count_i, 0), 0) == 0:
-            g = tl.arange(0, GP)
-            heads = h * G + g
-            d = tl.arange(0, D)
-            tl.store(out_ptr + w.to(tl.int64) * out_sn + heads[:, None] * out_sh + d[None, :],
-                     tl.zeros([GP, D], tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=(g < G)[:, None])
-            tl.store(lse_ptr + w.to(tl.int64) * heads_total + heads,
-                     tl.full([GP], float("-inf"), tl.float32), mask=g < G)
     n = tl.sum((first_i + count_i <= w).to(tl.int32), 0)  # the token whose chunks hold item w
     if n < tokens:
         mine = i == n
@@ -161,15 +110,6 @@ def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=g < G)
         tl.store(part_ml_ptr + part * 2 + 1, total, mask=g < G)
-        if MERGE_HERE:  # the token's last chunk to finish merges them all, then resets its count
-            count = tl.sum(tl.where(mine, count_i, 0), 0)
-            first = tl.sum(tl.where(mine, first_i, 0), 0)
-            tl.debug_barrier()  # every thread's partial stored before the count says so
-            counter = counters_ptr + n * kv_heads + h
-            if tl.atomic_add(counter, 1, sem="acq_rel") == count - 1:
-                _merge_here(part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, n, h, first, count, items,
-                            out_sn, out_sh, heads_total, G, GP, D, SP)
-                tl.atomic_xchg(counter, 0, sem="relaxed")  # the kernel's end orders it
 
 
 @triton.jit
@@ -229,8 +169,8 @@ def spare_items(tokens: int, kv_heads: int, sms: int, programs_per_sm: int | Non
 
 def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
            lens: torch.Tensor, token_row: torch.Tensor, scale: float, spare: int,
-           block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-           counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           block_n: int | None = None, warps: int | None = None, stages: int | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's attention over its row's context in the pool.
 
     Args:
@@ -243,9 +183,6 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
             (one partial chunk a token), the items each KV head has.
         block_n, warps, stages: the attend kernel's context tokens a tile (a power of two, 16
             up), warps and pipeline stages; by default ``BLOCK_N``, ``WARPS``, ``STAGES``.
-        counters: int32 zeros, at least [N * Hkv]: the attend kernel merges each token's chunks
-            itself, in the program that finishes its last chunk, and leaves them zero again
-            (keep them for the next call; one kernel instead of two). None: the merge kernel.
     Returns:
         out [N, H, D] in q's dtype, lse [N, H] float32 base 2 (0 and -inf without context).
     """
@@ -253,7 +190,6 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
     kv_heads = kv_layer.shape[3]
     group = heads // kv_heads
     assert spare >= 1, "the chunk size divides the context by the spare items"
-    assert counters is None or (counters.dtype == torch.int32 and counters.numel() >= n * kv_heads)
     block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
     items = n + spare
     q_nhd = q_nhd.contiguous()
@@ -262,21 +198,17 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
     part_o = torch.empty(kv_heads * items * group, dim, dtype=torch.float32, device=q_nhd.device)
     part_ml = torch.empty(kv_heads * items * group, 2, dtype=torch.float32, device=q_nhd.device)
     tokens_p2 = max(16, triton.next_power_of_2(n))
-    merge_here = counters is not None
     _attend[(items, kv_heads)](
         q_nhd, kv_layer, table, lens, token_row, part_o, part_ml, scale * LOG2E, n, spare, items,
         q_nhd.stride(0), q_nhd.stride(1), kv_layer.stride(0), kv_layer.stride(1),
-        kv_layer.stride(2), kv_layer.stride(3), table.stride(0), out, lse,
-        counters if merge_here else lens, kv_heads, out.stride(0), out.stride(1), heads,
-        G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2],
-        BLOCK=block_n, NP=tokens_p2, FP32_DOT=INTERPRETED or q_nhd.dtype == torch.float32,
-        MERGE_HERE=merge_here, SP=MERGE_HERE_CHUNKS,
+        kv_layer.stride(2), kv_layer.stride(3), table.stride(0), G=group,
+        GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2], BLOCK=block_n,
+        NP=tokens_p2, FP32_DOT=INTERPRETED or q_nhd.dtype == torch.float32,
         # 8 warps from head_dim 128: 164-241 registers a thread on sm_90, where 4 warps take
         # 238-254 and spill at 256 (helper 40's resource usage at BLOCK_N 64).
         num_warps=warps or (8 if dim >= 128 else 4), **({"num_stages": stages} if stages else {}))
-    if not merge_here:
-        _merge[(n, heads)](
-            lens, token_row, part_o, part_ml, out, lse, n, spare, items, out.stride(0),
-            out.stride(1), heads, G=group, D=dim, BLOCK=block_n, NP=tokens_p2, SP=MERGE_BLOCK,
-            num_warps=4)
+    _merge[(n, heads)](
+        lens, token_row, part_o, part_ml, out, lse, n, spare, items, out.stride(0),
+        out.stride(1), heads, G=group, D=dim, BLOCK=block_n, NP=tokens_p2, SP=MERGE_BLOCK,
+        num_warps=4)
     return out, lse
