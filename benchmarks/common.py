@@ -70,11 +70,10 @@ def apply_inductor_settings(text: str) -> dict:
     return settings
 
 
-DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (torch_cp's "
-                      "default: Triton for one-token steps over short rows), or "
-                      "'triton:B:W:P[:S]' (the Triton kernels at one tile "
-                      "for every step: context tokens a block, warps, programs an SM, pipeline "
-                      "stages; decode_kernels --triton sweeps them)")
+DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (Triton for "
+                      "one-token steps over short rows), or 'triton:B:W:P[:S]' (the Triton "
+                      "kernels at one tile for every step: context tokens a block, warps, "
+                      "programs an SM, pipeline stages; decode_kernels --triton sweeps them)")
 
 
 def triton_tile(spec: str) -> tuple[int, int, int, int | None]:

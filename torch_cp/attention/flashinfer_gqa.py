@@ -38,9 +38,11 @@ TENSOR_CORE_MIN_GROUP = 4
 # otherwise. On an H200 in a CUDA graph, four layers' KV in turn (run 91), the one-token tile
 # against FlashInfer for one row of Qwen3-8B / Qwen3-30B-A3B's layer: 6.9 / 6.5 against
 # 9.6 / 10.0 us at 512 slots, 18.4 / 11.6 against 14.5 / 11.9 at 4096, 99 / 56 against 42 / 28
-# at 32768; and Qwen3-30B-A3B's batch-1 step at prompt 512 3.69 against 3.88 ms (run 93). At
-# 32-64 rows FlashInfer wins (runs 81, 87).
-DECODE_KERNEL = "auto"
+# at 32768; at 32-64 rows FlashInfer wins (runs 81, 87). Qwen3-30B-A3B's batch-1 step replays
+# in 3.59 against 3.78 ms with "auto" (run 91), but a whole 64-token generate call took the
+# same 0.301 s with either (run 93): FlashInfer stays the default until "auto" shows a gain
+# end to end.
+DECODE_KERNEL = "flashinfer"
 DECODE_KERNELS = ("flashinfer", "triton", "auto")
 TRITON_STEP_TOKENS = 1
 TRITON_MAX_CONTEXT = 1024
