@@ -1,10 +1,10 @@
 """Which kernel the FlashInfer GQA backend's decode steps run (``decode_kernel``), on the CPU
 with a stand-in ``flashinfer`` module that records its wrappers' plans: eager steps choose at
 each plan ("auto": the Triton decode for one-token steps over short rows, at its one-token
-tile); a captured
-bucket keeps the kernel and tile of its first plan (the capture's) when the module's settings
-change later, where re-planning the other kernel would leave the captured one reading a plan it
-never got. The kernels' numbers: ``test_triton_decode.py`` and the GPU tests."""
+tile); a captured bucket keeps the kernel and tile of its first plan (the capture's) when the
+module's settings change later, where re-planning the other kernel would leave the captured one
+reading a plan it never got. The kernels' numbers: ``test_triton_decode.py`` and the GPU
+tests."""
 
 from __future__ import annotations
 
