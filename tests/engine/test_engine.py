@@ -3,6 +3,7 @@ and the scheduler's admission, chunking, refusals and page accounting."""
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -270,3 +271,22 @@ def test_sampling_params_are_validated_by_generate(model):
     with pytest.raises(ValueError, match="top_p"):
         torch_cp.generate(model, [[1]], 1, temperature=1.0, top_p=0.0, progress=False)
     assert SamplingParams().greedy
+
+
+def test_generate_names_every_problem_at_once(model):
+    with pytest.raises(ValueError) as e:
+        torch_cp.generate(model, [[1, True]], [2, 2.5], temperature=-1, page_size=0,
+                          logprobs=-1, max_tokens_per_step=0, cuda_graphs=True, progress=False)
+    assert [p.split(":")[0] for p in str(e.value).split("; ")] == [
+        "invalid sampling parameters", "invalid prompts",
+        "max_new_tokens[1] must be an int, got 2.5",
+        "logprobs must be None or an int in [0, 320] (the vocabulary), got -1",
+        "page_size must be a positive int, got 0",
+        "max_tokens_per_step must be a positive int, got 0",
+        "cuda_graphs needs a model on CUDA, not cpu"]
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\] must be an int, got None; "
+                                         r"max_new_tokens has 2 entries for 3 prompts"):
+        torch_cp.generate(model, [[1], [2], [3]], [1, None], progress=False)
+    numpy_ints = torch_cp.generate(model, [[5, 6]], [np.int64(2)], progress=False)
+    assert numpy_ints[0].token_ids == torch_cp.generate(model, [[5, 6]], 2,
+                                                        progress=False)[0].token_ids

@@ -85,8 +85,17 @@ def test_unsupported_generate_modes_raise(model):
     small = torch_cp.new_cache(model, batch_size=2, max_length=4)
     with pytest.raises(ValueError, match="more than this cache's pool"):
         model.generate(ids, attention_mask=mask, max_new_tokens=40, cache=small)
-    with pytest.raises(ValueError, match="batch_size"):
-        torch_cp.new_cache(model, batch_size=0, max_length=4)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0; max_length "
+                                         "must be a positive int, got 4.0; page_size must be a "
+                                         "positive int, got 0"):
+        torch_cp.new_cache(model, batch_size=0, max_length=4.0, page_size=0)
+    with pytest.raises(ValueError, match="output_attentions=True needs the unpatched model"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, output_attentions=True,
+                       return_dict_in_generate=True)
+    right = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    with pytest.raises(ValueError, match=r"rows \[1\] are padded on the right"):
+        model.generate(right, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                       max_new_tokens=2, do_sample=False)
 
 
 def test_uninstall_restores_the_plain_generate():

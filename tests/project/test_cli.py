@@ -15,14 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 import torch_cp
-from torch_cp.__main__ import (
-    DEFAULT_PROMPTS,
-    TINY_NOTE,
-    cli,
-    load_tokenizer,
-    model_path_problems,
-    prompts_of,
-)
+from torch_cp.__main__ import DEFAULT_PROMPTS, TINY_NOTE, cli, load_tokenizer, prompts_of
+from torch_cp.cli_args import argument_problems, model_path_problems, parse_args
 from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
 
 pytestmark = pytest.mark.slow  # runs the CLI in subprocesses, under torchrun too
@@ -181,6 +175,16 @@ def test_a_bad_configuration_is_one_clear_line():
                           "--max-tokens-per-step must be >= 1, got 0",
                           "temperature must be finite and >= 0, got -1.0",
                           "top_p must be in (0, 1] or None, got 1.5")
+
+
+def test_the_backend_and_the_sp_page_size_are_named_with_the_rest():
+    args = parse_args(["--backend", "foo", "--top-k", "0", "--context-parallel", "--sp", "2",
+                       "--page-size", "5"])
+    assert argument_problems(args, cuda=False) == [
+        "--backend must be one of auto, torch, flashinfer, got 'foo'",
+        "--page-size 5 must be a multiple of the 2 SP partners (each holds an equal share of "
+        "every page's slots)",
+        "invalid sampling parameters: top_k must be a positive int or None, got 0"]
 
 
 def test_the_console_script_runs_the_cli_one_line_errors_and_all(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+from torch_cp.engine.checks import engine_problems
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
@@ -20,7 +21,6 @@ from torch_cp.engine.requests import (
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request
 from torch_cp.engine.serving import RequestOutput
-from torch_cp.placement import page_size_problems
 from torch_cp.runtime import runtime_of
 
 
@@ -115,19 +115,27 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         ``finish_reason="error"`` and the others still complete. A request whose prompt +
         max_new_tokens runs past the model's ``max_position_embeddings`` runs, with a warning.
     Raises:
-        ValueError: prompts in no form above, strings or chats without a (chat-capable)
-            tokenizer, a mask that does not fit, a padded tensor without its mask, a
-            page size or ``logprobs`` that cannot be (before anything is allocated).
+        ValueError: every problem at once, before anything is allocated: prompts in no form
+            above, strings or chats without a (chat-capable) tokenizer, a mask that does not
+            fit, a padded tensor without its mask, sampling parameters, ``max_new_tokens``
+            entries that are not ints, a page size, ``logprobs`` or engine settings that cannot
+            be.
     """
     runtime = runtime_of(model)
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
-                                      pad_token_ids(model, tokenizer))
-    news = new_tokens_per_request(max_new_tokens, len(token_prompts))
     page_size = runtime.page_size if page_size is None else page_size
-    problems = page_size_problems(page_size, runtime.placement.size)
+    problems = []  # every one named at once, before anything is allocated
+    sampling = _checked(problems, SamplingParams, temperature, top_k, top_p, seed)
+    token_prompts = _checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
+                             pad_token_ids(model, tokenizer))
+    news = _checked(problems, new_tokens_per_request, max_new_tokens,
+                    None if token_prompts is None else len(token_prompts))
     problems += filter(None, [logprobs_problem(logprobs, vocab_size(model))])
-    if problems:  # before the pool is sized with it
+    problems += engine_problems(
+        1 if num_pages is None else num_pages,  # None: sized below from the requests
+        page_size, runtime.placement.size, max_tokens_per_step, None, None, (), cuda_graphs,
+        compile, runtime.device, prefix_caching, runtime.linear is not None,
+        overlap_planning=overlap_planning)
+    if problems:
         raise ValueError("; ".join(problems))
     cap = memory_cap_pages(runtime, page_size, state_pool_bytes(
         runtime, prefix_caching=prefix_caching)) if num_pages is None else None
@@ -159,3 +167,12 @@ def _never_fits(result: Result, cap: int, page_size: int) -> Result:
     why = (f"; it can never fit: free memory holds a pool of at most {cap} pages "
            f"({cap * page_size} tokens)")
     return dataclasses.replace(result, error=result.error + why)
+
+
+def _checked(problems: list[str], make, *args):
+    """``make(*args)``, or None with its ValueError's message added to ``problems``."""
+    try:
+        return make(*args)
+    except ValueError as e:
+        problems.append(str(e))
+        return None

@@ -23,11 +23,13 @@ def _tensor_like(x):
 
 
 def _ints(p) -> list[int] | None:
-    """``p`` as a list of token ids, or None when it is not a sequence of integers."""
+    """``p`` as a list of token ids, or None when it is not a sequence of integers (bools are
+    not token ids, as ``Engine.submit`` says too)."""
     try:
-        return [operator.index(t) for t in p]
+        ids = [operator.index(t) for t in p]
     except TypeError:
         return None
+    return None if any(isinstance(t, bool) for t in p) else ids
 
 
 def _is_chat(x) -> bool:

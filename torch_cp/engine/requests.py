@@ -18,18 +18,32 @@ __all__ = ["Prompt", "Result", "check_request", "eos_ids", "make_requests",
            "with_text"]
 
 
-def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int) -> list[int]:
-    """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's)."""
-    if isinstance(max_new_tokens, int):
-        return [max_new_tokens] * prompts
+def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | None
+                           ) -> list[int]:
+    """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's; numpy
+    integers count as ints). ``prompts`` None: the entries checked, not their count."""
+    def as_int(value) -> int | None:
+        if isinstance(value, bool):
+            return None
+        try:
+            return operator.index(value)
+        except TypeError:
+            return None
+
+    if as_int(max_new_tokens) is not None:
+        return [as_int(max_new_tokens)] * (prompts or 0)
     try:
         news = list(max_new_tokens)
-    except TypeError:  # e.g. a float or a numpy integer
+    except TypeError:  # e.g. a float
         raise ValueError(f"max_new_tokens must be an int or one int a prompt, got "
                          f"{max_new_tokens!r}") from None
-    if len(news) != prompts:
-        raise ValueError(f"max_new_tokens has {len(news)} entries for {prompts} prompts")
-    return news
+    problems = [f"max_new_tokens[{i}] must be an int, got {n!r}"
+                for i, n in enumerate(news) if as_int(n) is None]
+    if prompts is not None and len(news) != prompts:
+        problems.append(f"max_new_tokens has {len(news)} entries for {prompts} prompts")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return [as_int(n) for n in news]
 
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capacity: int

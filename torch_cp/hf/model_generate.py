@@ -30,6 +30,9 @@ from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
 from torch_cp.runtime import new_state_pool, runtime_of
 
+NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
+                        "output_attentions=True needs the unpatched model (unpatch_model)")
+
 
 class GenerateCache(PagedKVCache):
     """A ``PagedKVCache`` whose step plans come from padded ``[B, S]`` inputs (``model.generate``).
@@ -62,6 +65,11 @@ class GenerateCache(PagedKVCache):
         rows = [r for r in range(b) if q_lens[r] > 0]  # a chunk may hold only a row's padding
         if not rows:
             raise ValueError("the input has no real token (its attention mask is all zeros)")
+        right_padded = [r for r in rows if not mask[r, -1]] if self.columns == 0 else []
+        if right_padded:  # generate reads each row's next token at its last column
+            raise ValueError(f"rows {right_padded} are padded on the right: generate would read "
+                             f"their next token at a padding column; pad on the left "
+                             f"(tokenizer.padding_side = 'left')")
         for r in rows:
             if not self.allocator.reserve(r, self.row_lens[r] + q_lens[r]):
                 raise ValueError(
@@ -127,11 +135,13 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
         page_size: tokens per page (default: the one given to ``patch_model``).
     """
     runtime = runtime_of(model)
-    problems = [f"{name} must be >= 1, got {v}" for name, v in
-                (("batch_size", batch_size), ("max_length", max_length)) if v < 1]
+    size = runtime.page_size if page_size is None else page_size
+    problems = [f"{name} must be a positive int, got {v!r}" for name, v in
+                (("batch_size", batch_size), ("max_length", max_length))
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    problems += runtime.placement.page_size_problems(size)
     if problems:
         raise ValueError("; ".join(problems))
-    size = runtime.page_size if page_size is None else page_size
     pages = batch_size * -(-max_length // size)
     install_generate(model)
     return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size,
@@ -142,6 +152,8 @@ def _plan_before_forward(module, args, kwargs):
     """Forward pre-hook: plan the step of a ``GenerateCache`` and drop the attention mask; for a
     plain ``PagedKVCache``, give the plan's positions when the call gives none."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if kwargs.get("output_attentions") and isinstance(cache, PagedKVCache):
+        raise ValueError(NO_ATTENTION_WEIGHTS)
     if isinstance(cache, PagedKVCache) and not isinstance(cache, GenerateCache):
         return _with_plan_positions(cache.plan, args, kwargs)
     if not isinstance(cache, GenerateCache):
@@ -166,6 +178,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if user is not None:
         return compat.prepare_cache_default(self, generation_config, model_kwargs,
                                             generation_mode, batch_size, max_cache_length)
+    if generation_config.output_attentions:
+        raise ValueError(NO_ATTENTION_WEIGHTS)
     generation_config.use_cache = True  # generate's own copy; it passes this to each forward
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "

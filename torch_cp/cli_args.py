@@ -1,0 +1,103 @@
+"""The command line of ``python -m torch_cp`` (``__main__.py``) and its checks, made before
+anything is loaded: every problem named at once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from torch_cp.attention.select import BACKEND_NAMES
+from torch_cp.engine import SamplingParams
+from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP
+
+
+class UsageError(ValueError):
+    """A command line argparse refuses (exit code 2, as argparse's own)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(prog="python -m torch_cp", description="Generate with a patched model, on one "
+                "process or under torchrun.")
+    p.add_argument("--model", help="local checkpoint folder (default: the tiny random Qwen3)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable): text when the "
+                   "checkpoint has a tokenizer, else space-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--context-parallel", action="store_true",
+                   help="stripe the KV cache over the partners (P > 1)")
+    p.add_argument("--mode", choices=("auto", "tp", "sp"), default="auto",
+                   help="partners: TP ranks sharing a KV head, or the SP ranks (auto: sp when "
+                   "--sp > 1, else tp)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sp", type=int, default=1)
+    p.add_argument("--backend", default="torch",
+                   help=f"attention backend ({', '.join(BACKEND_NAMES)})")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens-per-step", type=int, default=DEFAULT_TOKENS_PER_STEP)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="model dtype (default: float32 for the tiny model, bfloat16 on CUDA)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from captured CUDA graphs (CUDA)")
+    p.add_argument("--compile", action="store_true",
+                   help="capture the steps with compiled decoder layers (with --cuda-graphs)")
+    p.add_argument("--overlap-planning", action="store_true",
+                   help="plan each decode step while the previous one runs")
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes P, mode, world, the KV bytes "
+                   "per rank and every request's prompt, tokens and text to PATH")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def model_path_problems(path: str | None) -> list[str]:
+    if path is None:
+        return []
+    if not os.path.exists(path):
+        return [f"--model {path}: no such folder (a local checkpoint folder is expected)"]
+    if not os.path.isdir(path):
+        return [f"--model {path}: not a folder (a local checkpoint folder is expected)"]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"--model {path}: no config.json in it (not a checkpoint folder)"]
+    return []
+
+
+def argument_problems(args, cuda: bool) -> list[str]:
+    """What is wrong with the command line, found before anything is loaded."""
+    problems = model_path_problems(args.model)
+    if args.page_size < 1:
+        problems.append(f"--page-size must be >= 1, got {args.page_size}")
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.cuda_graphs and not cuda:
+        problems.append("--cuda-graphs needs CUDA")
+    if args.compile and not args.cuda_graphs:
+        problems.append("--compile compiles the captured step: it needs --cuda-graphs")
+    if args.tp < 1 or args.sp < 1:
+        problems.append(f"--tp and --sp must be >= 1, got {args.tp} and {args.sp}")
+    if args.backend not in BACKEND_NAMES:
+        problems.append(f"--backend must be one of {', '.join(BACKEND_NAMES)}, got "
+                        f"{args.backend!r}")
+    sp_partners = args.context_parallel and (args.mode == "sp"
+                                             or (args.mode == "auto" and args.sp > 1))
+    if sp_partners and args.sp > 1 and args.page_size % args.sp:  # TP partners: from the model
+        problems.append(f"--page-size {args.page_size} must be a multiple of the {args.sp} SP "
+                        f"partners (each holds an equal share of every page's slots)")
+    if args.max_tokens_per_step < 1:
+        problems.append(f"--max-tokens-per-step must be >= 1, got {args.max_tokens_per_step}")
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:  # --temperature, --top-k, --top-p
+        problems.append(str(e))
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    json_problem = folder and (f"the folder {folder} does not exist" if not os.path.isdir(folder)
+                               else "a folder, not a file" if os.path.isdir(args.json)
+                               else f"the folder {folder} is not writable"
+                               if not os.access(folder, os.W_OK) else None)
+    return problems + ([f"--json {args.json}: {json_problem}"] if json_problem else [])
