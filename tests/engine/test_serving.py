@@ -66,6 +66,33 @@ def test_stream_gives_the_unpatched_tokens_and_arrivals_change_nothing(hf_tokens
     assert [list(r.token_ids) for r in e.run(PROMPTS, NEW)] == hf_tokens  # run still works
 
 
+def test_a_consumer_that_stops_mid_step_loses_no_output(hf_tokens):
+    """Outputs a ``stream`` consumer did not take (it broke off, or raised, within a step's
+    outputs) come first from the next ``stream`` or ``step``; until then a request counts as
+    unfinished, and ``run`` refuses."""
+    e = engine(max_tokens_per_step=64)
+    ids = [e.submit(p, NEW) for p in PROMPTS]
+    taken = []
+    for out in e.stream():
+        taken.append(out)
+        if len(taken) == 2:  # the first step's first two outputs of four
+            break
+    first_two = len(taken)
+    taken += e.step()  # the other two of the first step, then the second step's
+    assert len(taken) == first_two + 2 + len(PROMPTS)
+    with pytest.raises(RuntimeError, match="outputs not yet taken"):
+        e.run(PROMPTS, 1)
+    for out in e.stream():
+        taken.append(out)
+        if out.finished:  # every request finishes in the same step: three outputs left
+            break
+    assert e.has_unfinished()
+    got, reasons = collect(taken + list(e.stream()))
+    assert [got[i] for i in ids] == hf_tokens
+    assert set(reasons) == set(ids) and not e.has_unfinished()
+    assert_pool_whole(e)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("when", [1, 4, 7], ids=["prefill-chunk", "decode", "late-decode"])
 def test_abort_returns_every_page_and_changes_no_other_request(hf_tokens, overlap, when):

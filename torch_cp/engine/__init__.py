@@ -4,9 +4,8 @@
 from torch_cp.engine.engine import Engine
 from torch_cp.engine.feedback import EngineWarning, IgnoredSettingWarning, PositionLimitWarning
 from torch_cp.engine.generation import generate
-from torch_cp.engine.requests import Result, normalize_prompts
+from torch_cp.engine.requests import RequestOutput, Result, normalize_prompts
 from torch_cp.engine.sampling import SamplingParams
-from torch_cp.engine.serving import RequestOutput
 
 __all__ = ["Engine", "EngineWarning", "IgnoredSettingWarning", "PositionLimitWarning",
            "RequestOutput", "Result", "SamplingParams", "generate", "normalize_prompts"]

@@ -55,8 +55,9 @@ class BatchRuns:
                    ) -> list[Result]:
         """``run`` for prompts already normalized to token-id lists (no padding checks)."""
         if self.has_unfinished():
-            raise RuntimeError("requests submitted with Engine.submit are unfinished: step or "
-                               "abort them before Engine.run")
+            raise RuntimeError("requests submitted with Engine.submit are unfinished (or have "
+                               "outputs not yet taken): step until has_unfinished() is False "
+                               "before Engine.run (an abort() ends a request at the next step)")
         problem = logprobs_problem(logprobs, vocab_size(self.model))
         if problem:
             raise ValueError(problem)

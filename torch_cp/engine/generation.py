@@ -10,6 +10,7 @@ from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_b
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
 from torch_cp.engine.requests import (
+    RequestOutput,
     Result,
     eos_ids,
     logprobs_problem,
@@ -20,7 +21,6 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request
-from torch_cp.engine.serving import RequestOutput
 from torch_cp.runtime import runtime_of
 
 

@@ -18,6 +18,31 @@ __all__ = ["Prompt", "Result", "check_request", "eos_ids", "make_requests",
            "with_text"]
 
 
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the id ``submit`` returned.
+        token_ids: the tokens this step generated (none for an abort or an error; a prefill
+            chunk that samples nothing gives no output at all).
+        finished: whether the request ended with this step.
+        finish_reason: ``"eos"``, ``"stop"`` (a stop token id or string), ``"length"``,
+            ``"abort"`` or ``"error"`` when finished, else ``None``.
+        logprobs: per token of ``token_ids`` (with ``logprobs=k``): its log-probability and
+            the ``k`` most likely ``(token, log-probability)`` pairs, from the float32 log-softmax
+            of the row's logits (before temperature and filtering).
+        error: why the request was refused (``finish_reason == "error"``).
+    """
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    error: str | None = None
+
+
 def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | None
                            ) -> list[int]:
     """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's; numpy

@@ -20,41 +20,23 @@ job cannot go on (README says how to shorten the wait).
 from __future__ import annotations
 
 import operator
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from torch_cp.engine.requests import check_request, logprobs_problem, token_ids_of, vocab_size
+from torch_cp.engine.requests import (
+    RequestOutput,
+    check_request,
+    logprobs_problem,
+    token_ids_of,
+    vocab_size,
+)
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
 from torch_cp.engine.stops import StopStrings
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: the id ``submit`` returned.
-        token_ids: the tokens this step generated (none for an abort or an error; a prefill
-            chunk that samples nothing gives no output at all).
-        finished: whether the request ended with this step.
-        finish_reason: ``"eos"``, ``"stop"`` (a stop token id or string), ``"length"``,
-            ``"abort"`` or ``"error"`` when finished, else ``None``.
-        logprobs: per token of ``token_ids`` (with ``logprobs=k``): its log-probability and
-            the ``k`` most likely ``(token, log-probability)`` pairs, from the float32 log-softmax
-            of the row's logits (before temperature and filtering).
-        error: why the request was refused (``finish_reason == "error"``).
-    """
-
-    request_id: int
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
-    error: str | None = None
 
 
 @dataclass
@@ -76,6 +58,7 @@ class Serving:
         self._pending: list[tuple] = []  # ("submit", id, prompt, new, options) / ("abort", id)
         self._next_id = 0
         self._outputs: list[RequestOutput] = []
+        self._undelivered: deque[RequestOutput] = deque()  # a stream's consumer stopped early
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int = 16,
                sampling: SamplingParams | None = None, stop_token_ids: int | Sequence[int] = (),
@@ -132,12 +115,13 @@ class Serving:
         self._pending.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        """Whether a request is queued or running. Under torchrun it is rank 0's answer (a
-        collective: call it on every rank, as ``stream`` does), so that every rank steps as
+        """Whether a request is queued or running, or has outputs a ``stream`` consumer left
+        undelivered (the next ``step`` returns them first). Under torchrun it is rank 0's answer
+        (a collective: call it on every rank, as ``stream`` does), so that every rank steps as
         often as rank 0, whose submissions alone count."""
         s = self._scheduler
-        local = (s is not None and not s.done) or any(  # aborts of no live request: nothing
-            op[0] == "submit" or op[1] in self._options for op in self._pending)
+        local = bool(self._undelivered) or (s is not None and not s.done) or any(
+            op[0] == "submit" or op[1] in self._options for op in self._pending)  # live ones
         if not self.broadcast:
             return local
         box = [local]
@@ -146,7 +130,8 @@ class Serving:
 
     def step(self) -> list[RequestOutput]:
         """Apply the submissions and aborts (rank 0's), run one step, and return what each
-        request it touched produced (requests that ended this step included)."""
+        request it touched produced (requests that ended this step included), after the
+        outputs of earlier steps a ``stream`` consumer left undelivered."""
         if self._scheduler is None:
             self._scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
         self._outputs = []
@@ -169,12 +154,20 @@ class Serving:
             self._options.clear()
             self._ahead = self._inflight = None
             raise
-        return self._outputs
+        earlier = list(self._undelivered)
+        self._undelivered.clear()
+        return earlier + self._outputs
 
     def stream(self) -> Iterator[RequestOutput]:
-        """Step until every request has ended, yielding each step's outputs as they come."""
-        while self.has_unfinished():
-            yield from self.step()
+        """Step until every request has ended, yielding each step's outputs as they come. A
+        consumer that stops iterating (``break``, an exception) loses nothing: the outputs
+        of that step it did not take come first from the next ``stream`` or ``step``."""
+        while True:
+            while self._undelivered:
+                yield self._undelivered.popleft()
+            if not self.has_unfinished():  # every rank: the same collectives in each loop
+                return
+            self._undelivered.extend(self.step())
 
     # Internals.
 
