@@ -287,6 +287,13 @@ def test_generate_names_every_problem_at_once(model):
     with pytest.raises(ValueError, match=r"max_new_tokens\[1\] must be an int, got None; "
                                          r"max_new_tokens has 2 entries for 3 prompts"):
         torch_cp.generate(model, [[1], [2], [3]], [1, None], progress=False)
+    for news in (torch.tensor([2]), "12"):  # a [1] tensor is one entry; a str no ints
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            torch_cp.generate(model, [[1], [2]], news, progress=False)
+    with pytest.raises(ValueError, match="a tensor prompt must be 1-D integer token ids"):
+        torch_cp.generate(model, torch.tensor([True, False]), 2, progress=False)
+    with pytest.raises(ValueError, match=r"temperature must be .*; num_pages 10+ need"):
+        torch_cp.generate(model, [[1]], 2, temperature=-1, num_pages=10**12, progress=False)
     numpy_ints = torch_cp.generate(model, [[5, 6]], [np.int64(2)], progress=False)
     assert numpy_ints[0].token_ids == torch_cp.generate(model, [[5, 6]], 2,
                                                         progress=False)[0].token_ids

@@ -1,6 +1,7 @@
 """model.generate on a patched model gives the unpatched model's greedy tokens (float32 tiny Qwen3),
 left-padded batches included."""
 
+import numpy as np
 import pytest
 import torch
 from driver import left_padded
@@ -89,13 +90,15 @@ def test_unsupported_generate_modes_raise(model):
                                          "must be a positive int, got 4.0; page_size must be a "
                                          "positive int, got 0"):
         torch_cp.new_cache(model, batch_size=0, max_length=4.0, page_size=0)
+    assert torch_cp.new_cache(model, np.int64(2), np.int64(4)).rows == 2  # NumPy ints are ints
     with pytest.raises(ValueError, match="output_attentions=True needs the unpatched model"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, output_attentions=True,
                        return_dict_in_generate=True)
-    right = torch.tensor([[5, 6, 7], [8, 9, 0]])
-    with pytest.raises(ValueError, match=r"rows \[1\] are padded on the right"):
-        model.generate(right, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
-                       max_new_tokens=2, do_sample=False)
+    right = torch.tensor([[5, 6, 7, 9], [8, 9, 0, 0]])
+    for chunk in (None, 2):  # generate may prefill in chunks: the whole mask is checked
+        with pytest.raises(ValueError, match=r"rows \[1\] are padded on the right"):
+            model.generate(right, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+                           max_new_tokens=2, do_sample=False, prefill_chunk_size=chunk)
 
 
 def test_uninstall_restores_the_plain_generate():

@@ -33,8 +33,9 @@ def test_auto_keeps_the_tiles():
     assert triton_decode.ONE_TOKEN_TILE == one_token
 
 
-def test_no_spec_leaves_torch_cps_default():
-    default = flashinfer_gqa.DECODE_KERNEL
+@pytest.mark.parametrize("default", ["flashinfer", "auto"])
+def test_no_spec_leaves_torch_cps_default(default):
+    flashinfer_gqa.DECODE_KERNEL = default  # restored by the fixture
     assert apply_decode_kernel(None) == default == flashinfer_gqa.DECODE_KERNEL
 
 

@@ -13,7 +13,8 @@ among short ones gets many programs and the grid depends on the step's shape onl
 replays it for any lengths, with no planning on the host. A second kernel merges each token's
 chunks (running max, sum and output in float32) into its output and base-2 LSE. (Merging in
 the attend kernel instead, the last program of a token's chunks found by an atomic count, was
-2-10x slower on the H200 at every size of run 91; it is in fa8a115.)
+slower on the H200 at every size of run 91: 1.4-7.6x, best tile against best tile; it is in
+fa8a115.)
 
 Tokens past a row's length, padding tokens (``token_row`` -1) and the sink page are never read
 (masked loads), so NaN there never reaches a real token. A token with no context gets out 0 and

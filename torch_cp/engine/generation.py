@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from torch_cp.engine.checks import engine_problems
+from torch_cp.engine.checks import engine_problems, positive_ints
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
-from torch_cp.engine.memory import default_num_pages, lifetime_pages, memory_cap_pages
+from torch_cp.engine.memory import (
+    default_num_pages,
+    lifetime_pages,
+    memory_cap_pages,
+    pool_fit_problems,
+)
 from torch_cp.engine.requests import (
     RequestOutput,
     Result,
@@ -135,6 +140,9 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         page_size, runtime.placement.size, max_tokens_per_step, None, None, (), cuda_graphs,
         compile, runtime.device, prefix_caching, runtime.linear is not None,
         overlap_planning=overlap_planning)
+    if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
+        problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
+            runtime, prefix_caching=prefix_caching))  # every rank alike: its arguments
     if problems:
         raise ValueError("; ".join(problems))
     cap = memory_cap_pages(runtime, page_size, state_pool_bytes(

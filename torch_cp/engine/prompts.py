@@ -22,14 +22,18 @@ def _tensor_like(x):
     return x
 
 
-def _ints(p) -> list[int] | None:
-    """``p`` as a list of token ids, or None when it is not a sequence of integers (bools are
-    not token ids, as ``Engine.submit`` says too)."""
+def token_ids_of(prompt) -> list[int] | None:
+    """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
+    not a sequence of them (a str, floats, bools: not token ids)."""
+    if isinstance(prompt, (str, bytes)) or getattr(prompt, "dtype", None) == torch.bool:
+        return None
     try:
-        ids = [operator.index(t) for t in p]
+        items = list(prompt)
+        if any(isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool for t in items):
+            return None
+        return [operator.index(t) for t in items]
     except TypeError:
         return None
-    return None if any(isinstance(t, bool) for t in p) else ids
 
 
 def _is_chat(x) -> bool:
@@ -41,7 +45,7 @@ def _is_chat(x) -> bool:
 def _is_token_row(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.dim() == 1
-    return isinstance(x, Sequence) and not isinstance(x, str) and _ints(x) is not None
+    return isinstance(x, Sequence) and not isinstance(x, str) and token_ids_of(x) is not None
 
 
 def _shown(indices: list[int]) -> str:
@@ -124,7 +128,7 @@ def _batch(prompts, problems: list[str]) -> list:
         return []
     if isinstance(prompts, str) or _is_chat(prompts):
         return [prompts]
-    if isinstance(prompts, Sequence) and len(prompts) > 0 and _ints(prompts) is not None:
+    if isinstance(prompts, Sequence) and len(prompts) > 0 and token_ids_of(prompts) is not None:
         return [prompts]
     try:
         return list(prompts)
@@ -150,7 +154,7 @@ def _encoded(batch: list, tokenizer, pad_ids, problems: list[str]) -> list[list[
                 why = ("a chat needs a tokenizer with a chat template, and this one has none: "
                        "set tokenizer.chat_template, or pass text or token ids")
             else:
-                ids = _ints(tokenizer.apply_chat_template(
+                ids = token_ids_of(tokenizer.apply_chat_template(
                     list(p), add_generation_prompt=True, tokenize=True,
                     return_dict=True)["input_ids"])
         elif isinstance(p, Mapping) and "input_ids" in p:
@@ -162,14 +166,14 @@ def _encoded(batch: list, tokenizer, pad_ids, problems: list[str]) -> list[list[
                 ids = rows[0] if len(rows) == 1 else None
                 why = None if ids is not None else "an encoding of more than one prompt in a batch"
         elif isinstance(p, torch.Tensor):
-            if p.dim() != 1 or p.is_floating_point() or p.is_complex():
+            if p.dim() != 1 or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
                 why = "a tensor prompt must be 1-D integer token ids [L]"
             else:
                 ids = p.tolist()
         elif isinstance(p, Mapping):
             why = "a single message or mapping: a chat is a list of messages"
         else:
-            ids = _ints(p) if isinstance(p, Sequence) else None
+            ids = token_ids_of(p) if isinstance(p, Sequence) else None
             why = None if ids is not None else \
                 "neither token ids, a string, a chat nor an encoding"
         if why:
@@ -200,7 +204,7 @@ def _unmasked(ids, mask, problems: list[str]) -> list[list[int]]:
         problems.append(f"input_ids must be integer token ids, got {ids.dtype}")
     id_rows, id_dims, id_shape = _rows(ids)
     mask_rows, mask_dims, mask_shape = _rows(mask)
-    if id_rows is None or any(_ints(r) is None for r in id_rows):
+    if id_rows is None or any(token_ids_of(r) is None for r in id_rows):
         problems.append(f"with attention_mask, input_ids must be token ids [L] or [B, L], got "
                         f"{id_shape}")
         return []

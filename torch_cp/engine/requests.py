@@ -1,5 +1,6 @@
 """Requests: prompts as the user gives them (``normalize_prompts``, see ``prompts.py``), the
-checks a request must pass, its stop tokens, and what it produced (``Result``)."""
+checks a request must pass, its stop tokens, and what it produced (``Result`` for a whole run,
+``RequestOutput`` for one step of the serving API)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torch_cp.engine.prompts import Prompt, normalize_prompts, pad_token_ids
+from torch_cp.engine.prompts import Prompt, normalize_prompts, pad_token_ids, token_ids_of
 from torch_cp.engine.scheduler import Request
 
 # Prompt forms live in prompts.py; re-exported here, where requests are made of them.
-__all__ = ["Prompt", "Result", "check_request", "eos_ids", "make_requests",
-           "new_tokens_per_request", "normalize_prompts", "pad_token_ids", "vocab_size",
-           "with_text"]
+__all__ = ["Prompt", "RequestOutput", "Result", "check_request", "eos_ids", "make_requests",
+           "new_tokens_per_request", "normalize_prompts", "pad_token_ids", "token_ids_of",
+           "vocab_size", "with_text"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
     """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's; numpy
     integers count as ints). ``prompts`` None: the entries checked, not their count."""
     def as_int(value) -> int | None:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or getattr(value, "ndim", 0):  # a [1] tensor is a list
             return None
         try:
             return operator.index(value)
@@ -58,10 +59,12 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
     if as_int(max_new_tokens) is not None:
         return [as_int(max_new_tokens)] * (prompts or 0)
     try:
-        news = list(max_new_tokens)
+        news = list(max_new_tokens) if not isinstance(max_new_tokens, (str, bytes)) else None
     except TypeError:  # e.g. a float
+        news = None
+    if news is None:
         raise ValueError(f"max_new_tokens must be an int or one int a prompt, got "
-                         f"{max_new_tokens!r}") from None
+                         f"{max_new_tokens!r}")
     problems = [f"max_new_tokens[{i}] must be an int, got {n!r}"
                 for i, n in enumerate(news) if as_int(n) is None]
     if prompts is not None and len(news) != prompts:
@@ -165,17 +168,3 @@ def with_text(results: list[Result], tokenizer) -> list[Result]:
     return [dataclasses.replace(r, text=tokenizer.decode(list(r.token_ids),
                                                          skip_special_tokens=True))
             for r in results]
-
-
-def token_ids_of(prompt) -> list[int] | None:
-    """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
-    not a sequence of them (a str, floats, bools)."""
-    if isinstance(prompt, (str, bytes)):
-        return None
-    try:
-        items = list(prompt)
-        if any(isinstance(t, bool) for t in items):
-            return None
-        return [operator.index(t) for t in items]
-    except TypeError:
-        return None

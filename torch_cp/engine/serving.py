@@ -118,7 +118,8 @@ class Serving:
         """Whether a request is queued or running, or has outputs a ``stream`` consumer left
         undelivered (the next ``step`` returns them first). Under torchrun it is rank 0's answer
         (a collective: call it on every rank, as ``stream`` does), so that every rank steps as
-        often as rank 0, whose submissions alone count."""
+        often as rank 0, whose submissions alone count (outputs another rank's consumer left
+        come from that rank's next ``step``)."""
         s = self._scheduler
         local = bool(self._undelivered) or (s is not None and not s.done) or any(
             op[0] == "submit" or op[1] in self._options for op in self._pending)  # live ones

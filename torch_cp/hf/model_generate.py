@@ -22,6 +22,8 @@ that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts the 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from torch_cp import compat
@@ -65,11 +67,6 @@ class GenerateCache(PagedKVCache):
         rows = [r for r in range(b) if q_lens[r] > 0]  # a chunk may hold only a row's padding
         if not rows:
             raise ValueError("the input has no real token (its attention mask is all zeros)")
-        right_padded = [r for r in rows if not mask[r, -1]] if self.columns == 0 else []
-        if right_padded:  # generate reads each row's next token at its last column
-            raise ValueError(f"rows {right_padded} are padded on the right: generate would read "
-                             f"their next token at a padding column; pad on the left "
-                             f"(tokenizer.padding_side = 'left')")
         for r in rows:
             if not self.allocator.reserve(r, self.row_lens[r] + q_lens[r]):
                 raise ValueError(
@@ -137,11 +134,11 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     runtime = runtime_of(model)
     size = runtime.page_size if page_size is None else page_size
     problems = [f"{name} must be a positive int, got {v!r}" for name, v in
-                (("batch_size", batch_size), ("max_length", max_length))
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+                (("batch_size", batch_size), ("max_length", max_length)) if not _positive(v)]
     problems += runtime.placement.page_size_problems(size)
     if problems:
         raise ValueError("; ".join(problems))
+    batch_size, max_length = operator.index(batch_size), operator.index(max_length)
     pages = batch_size * -(-max_length // size)
     install_generate(model)
     return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size,
@@ -174,6 +171,14 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     """Make a ``GenerateCache`` unless the caller passed a cache. ``use_cache=False`` (as a
     call's argument or a checkpoint's config) is overridden: the patched attention runs from
     the paged cache alone, and the tokens are the ones generating without a cache gives."""
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2:  # the whole prompt's, whatever the chunks
+        mask = mask.to("cpu", torch.bool)
+        right_padded = (mask.any(1) & ~mask[:, -1]).nonzero().flatten().tolist()
+        if right_padded:  # generate reads each row's next token at its last column
+            raise ValueError(f"rows {right_padded} are padded on the right: generate would read "
+                             f"their next token at a padding column; pad on the left "
+                             f"(tokenizer.padding_side = 'left')")
     user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if user is not None:
         return compat.prepare_cache_default(self, generation_config, model_kwargs,
@@ -228,3 +233,11 @@ def _with_plan_positions(plan, args, kwargs):
         position_ids = positions.new_zeros(b * s).index_copy(
             0, index, positions[: index.shape[0]]).view(b, s)
     return args, kwargs | {"position_ids": position_ids}
+
+
+def _positive(value) -> bool:
+    """An int >= 1 (NumPy's too), not a bool."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        return False
