@@ -238,3 +238,21 @@ def test_partner_groups_need_the_whole_world():
 
     with pytest.raises(ValueError, match="the mesh spans 4 ranks, not the whole world of 1"):
         partner_placement(mesh(1, 4), "tp", num_kv_heads=2)
+
+
+@pytest.mark.parametrize("rope, refused", [
+    (dict(rope_type="dynamic", factor=2.0), True),
+    (dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+          original_max_position_embeddings=16), True),
+    (dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=16), False),
+    (dict(rope_type="linear", factor=2.0), False),
+], ids=["dynamic", "longrope", "yarn", "linear"])
+def test_rope_that_follows_the_calls_longest_position_is_refused(rope, refused):
+    """Helper 55's hunt: dynamic and longrope RoPE pick their frequencies from each forward's
+    longest position, so chunked prefill and packed rows changed the tokens, silently."""
+    model = tiny_model("qwen3", max_position_embeddings=64,
+                       rope_parameters=dict(rope_theta=10000.0, **rope))
+    if refused:
+        assert f"rope_type {rope['rope_type']!r} takes its frequencies" in problems_of(model)
+    else:
+        torch_cp.patch_model(model)

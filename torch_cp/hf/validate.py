@@ -22,6 +22,10 @@ from torch_cp.tp import mlp_problems
 
 MODES = ("auto", "tp", "sp")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# RoPE whose frequencies follow each forward's longest position: a prompt prefilled in chunks, or
+# a step that packs a short row with longer ones, would cache keys at other frequencies than the
+# unpatched model's one call on the prompt alone.
+SEQ_LEN_ROPE = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,19 @@ def _layer_problems(model: nn.Module, family: Family) -> list[str]:
             problems.append(f"expected {'/'.join(family.linear_classes)} modules at layers "
                             f"{_ranges(wanted)}, found {linear}")
     return problems
+
+
+def rope_problems(config) -> list[str]:
+    """Why ``config``'s RoPE cannot run from a paged cache (``SEQ_LEN_ROPE``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    nested = [p for p in params.values() if isinstance(p, dict)]  # per layer type
+    kinds = {p.get("rope_type", p.get("type")) for p in nested or [params]}
+    return [f"rope_type {kind!r} takes its frequencies from each forward's longest position, "
+            f"which chunked prefill and rows packed into one step change (tokens would differ "
+            f"from the unpatched model's); torch_cp takes default, linear, yarn and llama3 RoPE"
+            for kind in SEQ_LEN_ROPE if kind in kinds]
 
 
 def _ranges(indices: list[int]) -> str:
@@ -184,6 +201,7 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
             mesh.device_type != device.type):
         problems.append(f"the mesh is on {mesh.device_type} but the model is on {device.type}")
 
+    problems += rope_problems(config.get_text_config())
     if family is not None:
         problems += _layer_problems(model, family)
         if tp is not None:
