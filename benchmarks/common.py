@@ -97,7 +97,7 @@ def apply_decode_kernel(spec: str | None) -> str:
     if not spec:
         return flashinfer_gqa.DECODE_KERNEL  # torch_cp's default
     kind, _, tile = spec.partition(":")
-    if kind not in ("flashinfer", "triton", "auto") or (tile and kind != "triton"):
+    if kind not in flashinfer_gqa.DECODE_KERNELS or (tile and kind != "triton"):
         raise SystemExit(f"--decode-kernel: {DECODE_KERNEL_HELP}; got {spec!r}")
     values = triton_tile(tile) if tile else None  # refused before anything is set
     flashinfer_gqa.DECODE_KERNEL = kind

@@ -22,18 +22,27 @@ def _tensor_like(x):
     return x
 
 
+def as_int(value) -> int | None:
+    """``value`` as an int (Python's, NumPy's or a tensor's integer), or None: bools, of any
+    kind, are not ints."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def token_ids_of(prompt) -> list[int] | None:
-    """``prompt``'s token ids as ints (ints, NumPy or 0-d tensor integers), or None when it is
-    not a sequence of them (a str, floats, bools: not token ids)."""
+    """``prompt``'s token ids as ints (``as_int`` of each), or None when it is not a sequence
+    of them (a str, floats, bools: not token ids)."""
     if isinstance(prompt, (str, bytes)) or getattr(prompt, "dtype", None) == torch.bool:
         return None
     try:
-        items = list(prompt)
-        if any(isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool for t in items):
-            return None
-        return [operator.index(t) for t in items]
+        ids = [as_int(t) for t in prompt]
     except TypeError:
         return None
+    return None if None in ids else ids
 
 
 def _is_chat(x) -> bool:

@@ -5,12 +5,17 @@ checks a request must pass, its stop tokens, and what it produced (``Result`` fo
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torch_cp.engine.prompts import Prompt, normalize_prompts, pad_token_ids, token_ids_of
+from torch_cp.engine.prompts import (
+    Prompt,
+    as_int,
+    normalize_prompts,
+    pad_token_ids,
+    token_ids_of,
+)
 from torch_cp.engine.scheduler import Request
 
 # Prompt forms live in prompts.py; re-exported here, where requests are made of them.
@@ -48,16 +53,11 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
                            ) -> list[int]:
     """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's; numpy
     integers count as ints). ``prompts`` None: the entries checked, not their count."""
-    def as_int(value) -> int | None:
-        if isinstance(value, bool) or getattr(value, "ndim", 0):  # a [1] tensor is a list
-            return None
-        try:
-            return operator.index(value)
-        except TypeError:
-            return None
+    def count(value) -> int | None:
+        return None if getattr(value, "ndim", 0) else as_int(value)  # a [1] tensor is a list
 
-    if as_int(max_new_tokens) is not None:
-        return [as_int(max_new_tokens)] * (prompts or 0)
+    if count(max_new_tokens) is not None:
+        return [count(max_new_tokens)] * (prompts or 0)
     try:
         news = list(max_new_tokens) if not isinstance(max_new_tokens, (str, bytes)) else None
     except TypeError:  # e.g. a float
@@ -66,12 +66,12 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
         raise ValueError(f"max_new_tokens must be an int or one int a prompt, got "
                          f"{max_new_tokens!r}")
     problems = [f"max_new_tokens[{i}] must be an int, got {n!r}"
-                for i, n in enumerate(news) if as_int(n) is None]
+                for i, n in enumerate(news) if count(n) is None]
     if prompts is not None and len(news) != prompts:
         problems.append(f"max_new_tokens has {len(news)} entries for {prompts} prompts")
     if problems:
         raise ValueError("; ".join(problems))
-    return [as_int(n) for n in news]
+    return [count(n) for n in news]
 
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capacity: int
