@@ -38,11 +38,10 @@ TENSOR_CORE_MIN_GROUP = 4
 # otherwise. On an H200 in a CUDA graph, four layers' KV in turn (run 91), the one-token tile
 # against FlashInfer for one row of Qwen3-8B / Qwen3-30B-A3B's layer: 6.9 / 6.5 against
 # 9.6 / 10.0 us at 512 slots, 18.4 / 11.6 against 14.5 / 11.9 at 4096, 99 / 56 against 42 / 28
-# at 32768; at 32-64 rows FlashInfer wins (runs 81, 87). Qwen3-30B-A3B's batch-1 step replays
-# in 3.59 against 3.78 ms with "auto" (run 91), but a whole 64-token generate call took the
-# same 0.301 s with either (run 93): FlashInfer stays the default until "auto" shows a gain
-# end to end.
-DECODE_KERNEL = "flashinfer"
+# at 32768; at 32-64 rows FlashInfer wins (runs 81, 87). End to end, 256-token calls at
+# prompt 512 x 1, the fastest of five (run 96): Qwen3-30B-A3B 260 against 242 tokens/s (3.67
+# against 3.85 ms a step), Qwen3-8B 191 against 188 (5.12 against 5.24 ms); so "auto".
+DECODE_KERNEL = "auto"
 DECODE_KERNELS = ("flashinfer", "triton", "auto")
 TRITON_STEP_TOKENS = 1
 TRITON_MAX_CONTEXT = 1024  # between the timed 512 (a win) and 4096 (a loss for Qwen3-8B)
