@@ -138,10 +138,11 @@ def test_a_large_gqa_group_plans_within_its_workspace(size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("own_tokens", ["torch", "auto"])
-@pytest.mark.parametrize("heads", [16, 20])
+@pytest.mark.parametrize("heads", [16, 20, 40])
 def test_mla_own_token_paths(heads, own_tokens, monkeypatch):
-    """20 heads: FlashInfer 0.7.2 cannot plan causal MLA exactly; "auto" pads them to 32 (zero
-    queries). Which kernel ran is checked too."""
+    """20 and 40 heads: FlashInfer 0.7.2 cannot plan causal MLA exactly at MIXED's query tile
+    (128); "auto" runs them as 16 + 4 and 32 + 8, each part's queries read and outputs written
+    in place. Which kernel ran is checked too."""
     from torch_cp.attention import flashinfer_mla
 
     dense = flashinfer_mla.dense_own_mla
@@ -322,13 +323,14 @@ def test_auto_picks_flashinfer_on_this_gpu(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-@pytest.mark.parametrize("kind", ["gqa", "mla", "gqa-triton"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "mla20", "gqa-triton"])
 def test_graph_bucket_wrappers_replay_like_eager(kind, step):
     """Wrappers made for a bucket (use_cuda_graph=True, fixed buffers): run_* captured once,
     re-planned outside the graph for two steps of different lengths, replayed; equal to eager
     within bf16 tolerance (the graph plans split KV differently). Planning never synchronizes
     (it runs while the step launched before it executes). ``gqa-triton``: decode steps on
-    torch_cp's Triton kernels, graph-ready and eager alike."""
+    torch_cp's Triton kernels, graph-ready and eager alike. ``mla20``: 20 heads, whose own
+    tokens run as 16 + 4 (``mla_planner.own_token_heads``), both parts captured."""
     from gpu_harness import GROUP, geometry_for
 
     options = {}
@@ -341,7 +343,7 @@ def test_graph_bucket_wrappers_replay_like_eager(kind, step):
     from torch_cp.placement import ContextParallel
     from torch_cp.plan import Bucket, build_step_plan
 
-    shape = QWEN3 if kind == "gqa" else MLA16
+    shape = {"gqa": QWEN3, "mla": MLA16, "mla20": Shape("mla", 20, 1, 576, 512, 64)}[kind]
     cp = ContextParallel(2, 1, "sp", GROUP)  # partner 1 of 2: some stripes are empty
     if step == "decode":
         steps = [((1,) * 5, (3, 40, 100, 0, 17)), ((1,) * 7, (200, 1, 2, 50, 9, 0, 31))]

@@ -6,10 +6,11 @@ context partial is non-causal over context-only local lengths (a decode step's `
 written first). A multi-token step's own tokens run through a second MLA wrapper, causal, over a
 page-size-1 view of the step's own ``ckv``/``kpe`` (page i is token i: zero copies, prebuilt
 kernels, FA3 on Hopper). Where FlashInfer 0.7.2's causal MLA kernels would drop a key (its query
-tile is not a multiple of the head count, e.g. 20 heads) the own tokens run with the heads padded
-by zero queries to the next power of two, which divides the tile (exact: run 81), or where that
-does not either, on a chunked dense torch kernel. Padding: see ``flashinfer_common``; what the
-planner accepts: ``mla_planner``.
+tile is not a multiple of the head count, e.g. 20 heads) the own tokens run in parts of
+consecutive heads, each a power of two that divides the tile (20 as 16 + 4), every part reading
+its heads of ``q`` in place and writing them into one output (the kernel takes strided queries
+and outputs). ``own_tokens="torch"`` runs them on a chunked dense torch kernel instead.
+Padding: see ``flashinfer_common``; what the planner accepts: ``mla_planner``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch_cp.attention.mla_planner import (
     check_mla_work_items,
     mixed_bucket_problems,
     own_heads_for,
+    own_parts_most,
 )
 from torch_cp.attention.partial import Partial
 from torch_cp.plan import Bucket, StepPlan
@@ -89,9 +91,8 @@ class FlashInferMLABackend(FlashInferBackend):
         device: a CUDA device.
         dtype: query and pool dtype.
         fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
-        own_tokens: ``"auto"`` (FlashInfer, its heads padded where it would not plan causal MLA
-            exactly, ``own_token_heads``; torch where padding does not make it exact either)
-            or ``"torch"``.
+        own_tokens: ``"auto"`` (FlashInfer, the heads in parts where it would not plan causal
+            MLA exactly, ``own_token_heads``) or ``"torch"``.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
@@ -123,8 +124,8 @@ class FlashInferMLABackend(FlashInferBackend):
         g = self.geometry
         problems = []
         for rows, tokens in shapes:
-            own = own_heads_for(self.own_tokens, [0] * rows + [tokens], g.q_heads) or 0
-            problems += mixed_bucket_problems([(rows, tokens)], max(g.context_q_heads, own),
+            own = own_heads_for(self.own_tokens, [0] * rows + [tokens], g.q_heads) or (0,)
+            problems += mixed_bucket_problems([(rows, tokens)], max(g.context_q_heads, *own),
                                               self.num_sms)
         return problems
 
@@ -139,15 +140,17 @@ class _MLAKernels:
         self.geometry, self.dtype = backend.geometry, backend.dtype
         self.num_sms, self.own_tokens = backend.num_sms, backend.own_tokens
         self._metadata = MLAPlanMetadata
-        buffers = _graph_buffers(bucket, backend.device) if bucket is not None else {}
+        names = ("decode", "context") + tuple(
+            _own(i) for i in range(own_parts_most(backend.geometry.q_heads)))
+        buffers = _graph_buffers(bucket, names, backend.device) if bucket is not None else {}
         self._wrappers = {
             name: BatchMLAPagedAttentionWrapper(
                 backend.workspace, use_cuda_graph=bucket is not None,
                 backend=backend.fa_backend, **buffers.get(name, {}))
-            for name in ("decode", "context", "own")}
+            for name in names}
         self._fences = {name: PlanFence(backend.device) for name in self._wrappers}
         self._is_decode = self._attends_context = True
-        self._own_heads: int | None = None  # the own tokens' heads on FlashInfer; None: torch
+        self._own_parts: tuple[int, ...] | None = None  # own tokens' head parts; None: torch
         self._real: torch.Tensor | None = None  # [N] tokens of real rows
         self._padding: torch.Tensor | None = None  # [N, 1] the others
         self._token_row: torch.Tensor | None = None  # [N] plan.token_row
@@ -178,17 +181,18 @@ class _MLAKernels:
         q_lens = q_lens_t.tolist()
         if plan.attends_context:  # a step of fresh rows runs its own tokens only
             check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
-        own_heads = None if plan.is_decode else own_heads_for(self.own_tokens, q_lens, g.q_heads)
-        if own_heads:
-            check_mla_work_items(q_lens, own_heads, self.num_sms, plan.num_rows)
+        own_parts = None if plan.is_decode else own_heads_for(self.own_tokens, q_lens, g.q_heads)
+        for heads in set(own_parts or ()):
+            check_mla_work_items(q_lens, heads, self.num_sms, plan.num_rows)
         if plan.attends_context:
             name = "decode" if plan.is_decode else "context"
             self._plan_wrapper(name, qo, ctx.indptr, ctx.indices, ctx.lens, g.context_q_heads,
                                plan.local_page_size, causal=False)
-        if own_heads:
+        if own_parts:
             tokens = torch.arange(int(qo[-1]), dtype=torch.int32)
-            self._plan_wrapper("own", qo, qo, tokens, q_lens_t, own_heads, 1, causal=True)
-        self._own_heads = own_heads
+            for i, heads in enumerate(own_parts):
+                self._plan_wrapper(_own(i), qo, qo, tokens, q_lens_t, heads, 1, causal=True)
+        self._own_parts = own_parts
         if not plan.is_decode:  # in place: captured kernels keep reading these tensors
             self._real = staged(self._real, real_token_mask(plan))
             self._padding = (staged(self._padding, ~self._real.unsqueeze(-1))
@@ -215,27 +219,32 @@ class _MLAKernels:
     def run_own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
         """q [N, q_heads, R + rope] over own tokens, causally; k = ckv [N, R], v = kpe [N, rope]."""
         assert not self._is_decode, "run_own() needs a planned multi-token step"
-        if self._own_heads is None:
+        if self._own_parts is None:
             return dense_own_mla(q, k, v, self._real, self._token_row, self.geometry.scale,
                                  bounds=self._bounds)
         if self._padding is not None:
             k, v = k.masked_fill(self._padding, 0), v.masked_fill(self._padding, 0)
         ckv, kpe = k.unsqueeze(1), v.unsqueeze(1)  # [N, 1, R]: page i holds token i
-        heads = q.shape[1]
-        if self._own_heads > heads:  # zero queries in the extra heads
-            # Not F.pad, which fills every head with zeros before copying q over most of them.
-            padded = q.new_empty(q.shape[0], self._own_heads, q.shape[2])
-            padded[:, :heads] = q
-            padded[:, heads:] = 0
-            q = padded
-        out, lse = self._wrappers["own"].run(query=self._split(q), kv_cache=(ckv, kpe),
-                                             return_lse=True)
-        return Partial(out[:, :heads], lse[:, :heads])
+        out = q.new_empty(q.shape[0], q.shape[1], self.geometry.kv_lora_rank)
+        lses, start = [], 0
+        for i, heads in enumerate(self._own_parts):
+            part = slice(start, start + heads)
+            _, lse = self._wrappers[_own(i)].run(query=self._split(q[:, part]),
+                                                 kv_cache=(ckv, kpe), out=out[:, part],
+                                                 return_lse=True)
+            lses.append(lse)
+            start += heads
+        return Partial(out, lses[0] if len(lses) == 1 else torch.cat(lses, 1))
 
 
-def _graph_buffers(bucket: Bucket, device: torch.device) -> dict:
-    """Fixed plan buffers of a bucket's wrappers (multi-token steps: one more row, the token
-    padding's)."""
+def _own(part: int) -> str:
+    """The name of the wrapper of the own tokens' ``part``-th heads."""
+    return f"own{part}"
+
+
+def _graph_buffers(bucket: Bucket, names: Sequence[str], device: torch.device) -> dict:
+    """Fixed plan buffers of a bucket's wrappers ``names`` (multi-token steps: one more row,
+    the token padding's)."""
     def csr(rows: int, indices: int) -> dict:
         i32 = dict(dtype=torch.int32, device=device)
         return dict(qo_indptr=torch.zeros(rows + 1, **i32),
@@ -243,6 +252,6 @@ def _graph_buffers(bucket: Bucket, device: torch.device) -> dict:
                     kv_indices=torch.zeros(indices, **i32),
                     kv_len_arr=torch.zeros(rows, **i32))
 
-    return {"decode": csr(bucket.rows, bucket.max_pages),
-            "context": csr(bucket.rows + 1, bucket.max_pages),
-            "own": csr(bucket.rows + 1, bucket.tokens)}
+    return {name: csr(bucket.rows, bucket.max_pages) if name == "decode"
+            else csr(bucket.rows + 1, bucket.max_pages) if name == "context"
+            else csr(bucket.rows + 1, bucket.tokens) for name in names}

@@ -3,8 +3,8 @@
 Its planner refuses more than 16384 work items. ``mla_work_items`` bounds the count from query
 lengths alone, so every partner refuses the same step before planning (``PlannerCapExceeded``)
 and the engine can retry it smaller. Its causal kernels drop keys unless the query tile is a
-multiple of the head count (``causal_mla_on_flashinfer``, ``own_token_heads``). Host arithmetic
-only: nothing here imports FlashInfer.
+multiple of the head count (``causal_mla_on_flashinfer``; ``own_token_heads`` runs the heads
+in parts that are). Host arithmetic only: nothing here imports FlashInfer.
 """
 
 from __future__ import annotations
@@ -86,18 +86,31 @@ def causal_mla_on_flashinfer(q_lens: Sequence[int], num_heads: int) -> bool:
     return _query_tile(q_lens, num_heads) % num_heads == 0
 
 
-def own_token_heads(q_lens: Sequence[int], num_heads: int) -> int | None:
-    """The query heads FlashInfer's causal own-token kernel runs with for ``num_heads``: those
-    where it plans causal MLA exactly, else the next power of two (the extra heads zero queries,
-    their outputs dropped), which for up to 64 heads divides either query tile; None where
-    neither is exact."""
-    for heads in (num_heads, 1 << (num_heads - 1).bit_length()):
-        if causal_mla_on_flashinfer(q_lens, heads):
-            return heads
-    return None
+# The most heads one own-token launch takes where FlashInfer would not plan all of them exactly:
+# a power of two no larger than either query tile divides both.
+MAX_OWN_PART = 64
 
 
-def own_heads_for(own_tokens: str, q_lens: Sequence[int], num_heads: int) -> int | None:
-    """The heads a step's own tokens run with on FlashInfer under the backend's ``own_tokens``
-    (``"auto"``: padded where needed, ``own_token_heads``); None where they run on torch."""
+def own_token_heads(q_lens: Sequence[int], num_heads: int) -> tuple[int, ...]:
+    """The query heads FlashInfer's causal own-token kernel runs, one launch per part over
+    consecutive heads: all at once where it plans causal MLA exactly, else powers of two of at
+    most ``MAX_OWN_PART``, largest first (20 heads as 16 + 4), each of which divides either
+    query tile. No padded heads: padding 20 to 32 copied every query and output (40 of a 341 ms
+    GLM-4.7-Flash prefill, run 93) and computed 12 heads for nothing."""
+    if causal_mla_on_flashinfer(q_lens, num_heads):
+        return (num_heads,)
+    rest = num_heads % MAX_OWN_PART
+    return ((MAX_OWN_PART,) * (num_heads // MAX_OWN_PART)
+            + tuple(1 << b for b in reversed(range(rest.bit_length())) if rest >> b & 1))
+
+
+def own_parts_most(num_heads: int) -> int:
+    """The most parts ``own_token_heads`` cuts ``num_heads`` into, at any query lengths."""
+    return max(1, num_heads // MAX_OWN_PART + (num_heads % MAX_OWN_PART).bit_count())
+
+
+def own_heads_for(own_tokens: str, q_lens: Sequence[int], num_heads: int
+                  ) -> tuple[int, ...] | None:
+    """The head parts a step's own tokens run in on FlashInfer under the backend's
+    ``own_tokens`` (``"auto"``: ``own_token_heads``); None where they run on torch."""
     return own_token_heads(q_lens, num_heads) if own_tokens == "auto" else None
