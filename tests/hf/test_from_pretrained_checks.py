@@ -138,6 +138,84 @@ def test_paths_without_a_checkpoint_are_named(checkpoints, tmp_path):
         torch_cp.from_pretrained(sharded)
 
 
+def test_files_that_are_not_safetensors_are_named_with_the_missing_ones(checkpoints, tmp_path,
+                                                                         no_reads):
+    """A shard cut in half (an interrupted copy) and another gone: both named in one
+    ValueError, not safetensors' own error."""
+    sharded = shutil.copytree(checkpoints["deepseek_v3"], tmp_path / "sharded")
+    cut, lost = sorted(sharded.glob("model-*.safetensors"))[:2]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    lost.unlink()
+    with pytest.raises(ValueError) as info:
+        torch_cp.from_pretrained(sharded)
+    assert f"{cut.name} is not a readable safetensors file" in str(info.value)
+    assert f"names {lost.name}, which is not in" in str(info.value)
+    (sharded / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="index.json is not a JSON object with a weight_map"):
+        torch_cp.from_pretrained(sharded)
+
+
+def test_experts_numbered_out_of_order_are_named(checkpoints, tmp_path, no_reads):
+    """Expert 1's keys saved as expert 7: stacked in key order they would load into other
+    slots (transformers' loader takes them so); named instead."""
+    def change(t):
+        for key in [k for k in t if ".layers.0.mlp.experts.1." in k]:
+            t[key.replace(".experts.1.", ".experts.7.")] = t.pop(key)
+    path = _rewrite(checkpoints["qwen3_next"], tmp_path / "ckpt", change)
+    with pytest.raises(ValueError) as info:
+        torch_cp.from_pretrained(path)
+    assert ("model.layers.0.mlp.experts.down_proj: the checkpoint's mlp.experts.*.down_proj.weight "
+            "keys are numbered 0, 2, 3, 7, not 0 to 3 (missing 1; past the end 7)"
+            in str(info.value))
+
+
+def test_an_empty_checkpoint_names_every_key_missing(checkpoints, tmp_path, no_reads):
+    path = Path(_rewrite(checkpoints["qwen3"], tmp_path / "ckpt", lambda t: t.clear()))
+    with pytest.raises(ValueError, match="missing from the checkpoint: model.embed_tokens.weight, "
+                                         "model.layers.0.input_layernorm.weight"):
+        torch_cp.from_pretrained(path)
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ValueError, match="missing from the checkpoint: model.embed_tokens.weight"):
+        torch_cp.from_pretrained(path)
+
+
+def test_two_keys_for_one_parameter_are_named(checkpoints, tmp_path, no_reads):
+    """transformers maps ``norm.weight`` (no base-model prefix) to ``model.norm.weight`` too."""
+    path = _rewrite(checkpoints["qwen3"], tmp_path / "ckpt", lambda t: t.__setitem__(
+        "norm.weight", torch.zeros_like(t["model.norm.weight"])))
+    with pytest.raises(ValueError, match="checkpoint keys model.norm.weight and norm.weight both "
+                                         "load into model.norm.weight"):
+        torch_cp.from_pretrained(path)
+
+
+def test_a_config_that_cannot_be_read_is_named_with_the_other_problems(checkpoints, tmp_path,
+                                                                      no_reads):
+    import json
+
+    path = Path(shutil.copytree(checkpoints["qwen3"], tmp_path / "ckpt"))
+    config = json.loads((path / "config.json").read_text())
+    for text, problem in ((json.dumps({**config, "model_type": "qwen99"}), "model type `qwen99`"),
+                          ("{not json", "not a valid JSON file"),
+                          (json.dumps({"model_type": "t5"}), "T5Config: Unrecognized")):
+        (path / "config.json").write_text(text)
+        with pytest.raises(ValueError) as info:
+            torch_cp.from_pretrained(path, dtype=torch.float64)
+        assert problem in str(info.value)
+        assert "dtype must be float32, bfloat16 or float16" in str(info.value)
+
+
+def test_tied_embeddings_saved_as_the_lm_head_load_as_transformers_loads_them(checkpoints,
+                                                                             tmp_path):
+    path = _rewrite(checkpoints["qwen3"], tmp_path / "ckpt", lambda t: t.__setitem__(
+        "lm_head.weight", t.pop("model.embed_tokens.weight")))
+    want = transformers.AutoModelForCausalLM.from_pretrained(path)
+    got = torch_cp.from_pretrained(path, device="cpu")
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+    for key, tensor in want.state_dict().items():
+        assert torch.equal(got.state_dict()[key], tensor), key
+
+
 def test_a_parameter_left_on_meta_is_named(checkpoints, tmp_path, monkeypatch):
     cls = transformers.Qwen3ForCausalLM
     monkeypatch.setattr(cls, "_keys_to_ignore_on_load_missing", [r"model\.norm\.weight"])

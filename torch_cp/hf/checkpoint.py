@@ -1,9 +1,5 @@
-"""A safetensors checkpoint read tensor by tensor, each parameter only in the part a rank keeps.
-
-The files: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists (its
-``weight_map`` says which file holds each key). Their headers (keys, shapes) are read with
-``safetensors.safe_open`` before any weight, so missing, unexpected or misshapen keys are refused
-first.
+"""A safetensors checkpoint's tensors mapped to a model's parameters, each read only in the part
+a rank keeps (the files and their headers: ``checkpoint_files``).
 
 Checkpoint keys become the model's parameter names by transformers' own rules
 (``conversion_mapping.get_model_conversion_mapping`` and ``core_model_loading.rename_source_key``,
@@ -21,13 +17,10 @@ preallocated tensor of the target dtype and device: no intermediate copy), and a
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -39,23 +32,9 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+from torch_cp.hf.checkpoint_files import Leaf
+
 Runs = list[tuple[int, int]]  # [start, stop) ranges along one dimension, in order
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One checkpoint tensor: its key, file, shape and safetensors dtype ("BF16", "F32", ...)."""
-
-    key: str
-    file: str
-    shape: tuple[int, ...]
-    dtype: str = ""
-
-    @property
-    def files(self) -> set[str]:
-        return {self.file}
 
 
 @dataclass(frozen=True)
@@ -108,35 +87,6 @@ def _leaves(node) -> list[Leaf]:
     return [node] if isinstance(node, Leaf) else [x for p in node.parts for x in _leaves(p)]
 
 
-def read_headers(path: Path) -> tuple[dict[str, Leaf], list[str]]:
-    """Every tensor of the checkpoint in ``path`` (key -> Leaf) from the files' headers alone, and
-    the problems found (no safetensors files, files the index names that are missing, keys the
-    index puts in a file that lacks them)."""
-    index, single = path / INDEX, path / WEIGHTS
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-    elif single.is_file():
-        weight_map = None
-    else:
-        return {}, [f"{path} holds no safetensors checkpoint ({WEIGHTS} or {INDEX})"]
-    files = sorted(set(weight_map.values()), key=dot_natural_key) if weight_map else [WEIGHTS]
-    leaves, problems = {}, []
-    for name in files:
-        if not (path / name).is_file():
-            problems.append(f"{INDEX} names {name}, which is not in {path}")
-            continue
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                if weight_map is None or weight_map.get(key) == name:
-                    part = f.get_slice(key)
-                    leaves[key] = Leaf(key, name, tuple(part.get_shape()), part.get_dtype())
-    if weight_map:
-        lost = sorted(k for k, name in weight_map.items() if k not in leaves
-                      and (path / name).is_file())
-        problems += [f"{INDEX} puts {k} in {weight_map[k]}, which does not hold it" for k in lost]
-    return leaves, problems
-
-
 def _converted(converter: WeightConverter, sources: dict[str, list[Leaf]]):
     """The tree ``converter``'s operations build from its checkpoint tensors."""
     nodes: dict[str, object] = dict(sources)
@@ -186,7 +136,7 @@ def map_checkpoint(model: nn.Module, leaves: dict[str, Leaf]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     plain: dict[str, Leaf] = {}
     converted: dict[str, tuple[WeightConverter, dict[str, list[Leaf]]]] = {}
-    unexpected = []
+    unexpected, problems = [], []
     for key in sorted(leaves, key=dot_natural_key):  # transformers' order: experts 0, 1, .., E-1
         name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
                                           state)
@@ -197,17 +147,24 @@ def map_checkpoint(model: nn.Module, leaves: dict[str, Leaf]
                     or key.rpartition(".")[2] in computed):
                 unexpected.append(key)
         elif pattern is None:
+            if name in plain:
+                problems.append(f"checkpoint keys {plain[name].key} and {key} both load into "
+                                f"{name}")
             plain[name] = leaves[key]
         else:
             sources = converted.setdefault(name, (by_pattern[pattern], {}))[1]
             sources.setdefault(pattern, []).append(leaves[key])
-    problems = []
     trees = {name: leaf for name, leaf in plain.items() if name in expected}
     for name, (converter, sources) in converted.items():
+        problems += _numbering_problems(name, sources)
         try:
             trees[name] = _converted(converter, sources)
         except ValueError as e:
             problems.append(str(e))
+    for names in _tied_names(model):  # a tied weight saved under another of its names
+        saved = next((plain[n] for n in names if n in plain), None)
+        if names[0] not in trees and saved is not None:
+            trees[names[0]] = saved
     missing = sorted(n for n in expected - trees.keys()
                      if not _ignored(n, getattr(model, "_keys_to_ignore_on_load_missing", None)))
     if missing:
@@ -221,6 +178,35 @@ def map_checkpoint(model: nn.Module, leaves: dict[str, Leaf]
             problems.append(f"{name}: the checkpoint holds shape {list(tree.shape)}, the model "
                             f"{list(state[name].shape)}")
     return {n: t for n, t in trees.items() if n in expected}, problems
+
+
+def _numbering_problems(name: str, sources: dict[str, list[Leaf]]) -> list[str]:
+    """Per-module keys (``experts.<e>.gate_proj.weight``) not numbered 0 to n - 1: stacked in
+    key order, they would load into other slots (transformers' loader does not check)."""
+    problems = []
+    for pattern, parts in sources.items():
+        number = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)", 1))
+        found = [number.search(leaf.key) for leaf in parts]
+        if "*" not in pattern or not all(found):
+            continue
+        got = sorted(int(m.group(1)) for m in found)
+        if got != list(range(len(parts))):
+            missing = sorted(set(range(len(parts))) - set(got))
+            past = sorted(i for i in set(got) if i >= len(parts))
+            problems.append(f"{name}: the checkpoint's {pattern} keys are numbered "
+                            f"{_names([str(i) for i in got])}, not 0 to {len(parts) - 1} "
+                            f"(missing {_names([str(i) for i in missing]) or 'none'}; past the "
+                            f"end {_names([str(i) for i in past]) or 'none'})")
+    return problems
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under several (tied embeddings), the first the one
+    ``named_parameters`` gives."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def read_into(node, out: torch.Tensor, dim: int | None, runs: Runs | None, handles) -> None:

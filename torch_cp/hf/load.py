@@ -40,7 +40,8 @@ from safetensors import safe_open
 from torch import nn
 
 from torch_cp.fused_linear import fused_storage
-from torch_cp.hf.checkpoint import map_checkpoint, read_headers, read_into
+from torch_cp.hf.checkpoint import map_checkpoint, read_into
+from torch_cp.hf.checkpoint_files import read_headers
 from torch_cp.hf.patch import patch_validated, shard_model
 from torch_cp.hf.validate import DTYPES, patch_problems
 from torch_cp.tp import SHARD_ATTR, shard_of
@@ -57,7 +58,8 @@ def _dtype(dtype, config, leaves: dict, problems: list[str]) -> torch.dtype:
     if dtype is None or dtype == "auto":
         on_file = (FILE_DTYPES[leaf.dtype] for leaf in leaves.values()
                    if leaf.dtype in FILE_DTYPES)
-        dtype = (getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
+        text = config.get_text_config() if config is not None else None
+        dtype = (getattr(config, "dtype", None) or getattr(text, "dtype", None)
                  or next(on_file, torch.float32))
     if isinstance(dtype, str):  # "bfloat16", as config.json spells it
         dtype = getattr(torch, dtype, dtype)
@@ -139,6 +141,12 @@ def _loaded_problems(model: nn.Module, dtype: torch.dtype, tied: bool) -> list[s
     return problems
 
 
+def _refuse(path: Path, problems: list[str]) -> None:
+    """One ValueError naming every problem found, if any."""
+    if problems:
+        raise ValueError(f"cannot load {str(path)!r}:\n  - " + "\n  - ".join(problems))
+
+
 def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
                     context_parallel: bool = False, dtype: torch.dtype | str | None = None,
                     backend: str = "torch", page_size: int = 16, device=None) -> nn.Module:
@@ -172,20 +180,30 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     if not (path / "config.json").is_file():
         raise ValueError(f"cannot load {str(path)!r}: not a directory with a config.json (a "
                          f"local checkpoint; download one with huggingface_hub.snapshot_download)")
-    config = transformers.AutoConfig.from_pretrained(path)
-    problems: list[str] = []
     leaves, file_problems = read_headers(path)
+    problems = list(file_problems)
+    config, model = None, None
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, KeyError) as e:  # an unknown model_type, a config not JSON
+        problems.append(f"config.json: {e}")
     dtype = _dtype(dtype, config, leaves, problems)
     device = _device(device, mesh)
-    model = _meta_model(config, dtype)
+    if config is not None:
+        try:
+            model = _meta_model(config, dtype)
+        except ValueError as e:  # no causal LM for this config (an encoder-decoder, ...)
+            problems.append(f"{type(config).__name__}: {e}")
+    if model is None:
+        _refuse(path, problems)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     settings, refused = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                        mode=mode, backend=backend, page_size=page_size,
                                        device=device)
-    trees, key_problems = map_checkpoint(model, leaves) if leaves else ({}, [])
-    problems += refused + file_problems + key_problems
-    if problems:
-        raise ValueError(f"cannot load {str(path)!r}:\n  - " + "\n  - ".join(problems))
+    # No tensors but readable files: map them too, so every missing key is named.
+    trees, key_problems = (map_checkpoint(model, leaves) if leaves or not file_problems
+                           else ({}, []))
+    _refuse(path, refused + problems + key_problems)
     if settings.tp > 1:
         shard_model(model, settings, mesh)
     _load(model, trees, _Files(path), device)
