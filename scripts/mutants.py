@@ -104,15 +104,15 @@ MUTANTS = [
            "lse = partial.lse.view(p, n, ph // p)", PLACED),
     # allocator
     Mutant("allocator-release-loses-pages", "torch_cp/kv/allocator.py",
-           "self._free.extend(self._tables.pop(request_id, []))",
+           "self._give_back(self._tables.pop(request_id, []))",
            "self._tables.pop(request_id, [])", (T + "kv/test_allocator.py",) + ENGINE),
     Mutant("allocator-overcommit", "torch_cp/kv/allocator.py",
-           "if missing > len(self._free):", "if missing > len(self._free) + 1:",
+           "if missing > self.free_pages:", "if missing > self.free_pages + 1:",
            (T + "kv/test_allocator.py",)),
     # scheduler
     Mutant("scheduler-forgets-promises", "torch_cp/engine/scheduler.py",
-           "available = self.allocator.free_pages - self._promised_pages()",
-           "available = self.allocator.free_pages", SCHED),
+           "available = a.free_pages - self._promised_pages()",
+           "available = a.free_pages", SCHED),
     Mutant("scheduler-chunk-samples", "torch_cp/engine/scheduler.py",
            "samples=end == len(request.tokens)", "samples=True", SCHED),
     Mutant("scheduler-one-token-too-many", "torch_cp/engine/scheduler.py",
@@ -120,16 +120,16 @@ MUTANTS = [
            "elif len(request.generated) > request.max_new_tokens:", SCHED),
     # sampling
     Mutant("sampling-shared-stream", "torch_cp/engine/sampling.py",
-           "manual_seed(self.seed * _SEED_STRIDE + request_index)",
-           "manual_seed(self.seed * _SEED_STRIDE)", (T + "engine/test_sampling.py",)),
+           "manual_seed((self.seed * _SEED_STRIDE + request_index) % 2**63)",
+           "manual_seed((self.seed * _SEED_STRIDE) % 2**63)", (T + "engine/test_sampling.py",)),
     Mutant("sampling-top-p-boundary", "torch_cp/engine/sampling.py",
            "drop_sorted = before >= top_p", "drop_sorted = before > top_p",
            (T + "engine/test_sampling.py",)),
     # TP sharding
     Mutant("tp-bias-on-every-rank", "torch_cp/tp.py",
-           "out = all_reduce(F.linear(x, self.weight), self.group)\n"
+           "out = compat.sum_over(F.linear(x, self.weight), self.group)\n"
            "        return out if self.bias is None else out + self.bias",
-           "return all_reduce(F.linear(x, self.weight, self.bias), self.group)", TP),
+           "return compat.sum_over(F.linear(x, self.weight, self.bias), self.group)", TP),
     Mutant("tp-experts-gate-up", "torch_cp/tp.py", "gate_up = torch.cat([mine, inter + mine])",
            "gate_up = torch.cat([mine, mine])", TP),
     Mutant("tp-one-kv-head-per-rank", "models/gqa.py",

@@ -1,4 +1,5 @@
-"""torch_cp: context parallelism over a placed paged KV cache for Hugging Face Qwen and GLM.
+"""torch_cp: context parallelism over a placed paged KV cache for Hugging Face Qwen, GLM and
+DeepSeek-V3.
 
 The parts: the core (``placement``, ``mesh``, ``plan``, ``kv``, ``attention``), the Hugging Face
 bridge (``torch_cp.hf``: patch_model, from_pretrained, the paged Cache, model.generate), the

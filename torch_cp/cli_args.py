@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="local checkpoint folder (default: the tiny random Qwen3)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable): text when the "
                    "checkpoint has a tokenizer, else space-separated token ids")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="per prompt (default: 16)")
     p.add_argument("--context-parallel", action="store_true",
                    help="stripe the KV cache over the partners (P > 1)")
     p.add_argument("--mode", choices=("auto", "tp", "sp"), default="auto",
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", type=int, default=1)
     p.add_argument("--backend", default="torch",
-                   help=f"attention backend ({', '.join(BACKEND_NAMES)})")
+                   help=f"attention backend ({', '.join(BACKEND_NAMES)}; default: torch)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int)
@@ -43,11 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens-per-step", type=int, default=DEFAULT_TOKENS_PER_STEP)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="model dtype (default: float32 for the tiny model, bfloat16 on CUDA)")
+                   help="model dtype (default: float32 for the tiny model and for a checkpoint on "
+                   "the CPU, bfloat16 for a checkpoint on CUDA)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from captured CUDA graphs (CUDA)")
     p.add_argument("--compile", action="store_true",
-                   help="capture the steps with compiled decoder layers (with --cuda-graphs)")
+                   help="compile the decoder layers, in the captured steps and the eager "
+                   "prefill steps (with --cuda-graphs)")
     p.add_argument("--overlap-planning", action="store_true",
                    help="plan each decode step while the previous one runs")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes P, mode, world, the KV bytes "

@@ -33,8 +33,9 @@ class RequestOutput:
         token_ids: the tokens this step generated (none for an abort or an error; a prefill
             chunk that samples nothing gives no output at all).
         finished: whether the request ended with this step.
-        finish_reason: ``"eos"``, ``"stop"`` (a stop token id or string), ``"length"``,
-            ``"abort"`` or ``"error"`` when finished, else ``None``.
+        finish_reason: ``"stop"`` (a stop token id, the model's EOS among them when
+            ``generate(stream=True)`` passes it, or a stop string), ``"length"``, ``"abort"``
+            or ``"error"`` when finished, else ``None``.
         logprobs: per token of ``token_ids`` (with ``logprobs=k``): its log-probability and
             the ``k`` most likely ``(token, log-probability)`` pairs, from the float32 log-softmax
             of the row's logits (before temperature and filtering).
