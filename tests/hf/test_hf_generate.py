@@ -141,6 +141,46 @@ def test_use_cache_false_still_generates_the_unpatched_tokens(model, reference):
     assert torch.equal(out, padded)
 
 
+def test_use_cache_false_with_an_explicit_cache_still_generates_the_unpatched_tokens(
+        model, reference):
+    """With the caller's cache too (helper 58: transformers then fed the whole sequence at
+    every step, and the cache took it all again: other tokens, silently)."""
+    padded, _ = reference
+    ids, mask = left_padded(PROMPTS)
+    cache = torch_cp.new_cache(model, batch_size=len(PROMPTS), max_length=ids.shape[1] + NEW)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         use_cache=False, cache=cache)
+    assert torch.equal(out, padded)
+    assert cache.row_lens == [len(p) + NEW - 1 for p in PROMPTS]
+
+
+def test_prefill_chunks_of_padding_only_change_no_token(model):
+    """A batch padded further than its longest prompt (a tokenizer's ``pad_to_multiple_of``)
+    prefilled in chunks: the first chunks hold no real token in any row, and the unpatched
+    model's tokens come out all the same (they were refused)."""
+    ids, mask = left_padded([[0] * 9 + PROMPTS[0], PROMPTS[1]])
+    mask[0, :9] = 0
+    want = tiny_qwen3().generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         prefill_chunk_size=4)
+    assert torch.equal(out, want)
+
+
+def test_caches_and_modes_the_paged_attention_cannot_serve_are_refused(model):
+    from transformers import DynamicCache
+
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match="takes a cache made by torch_cp.new_cache"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       cache=DynamicCache())
+    with pytest.raises(ValueError, match="guidance_scale"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       guidance_scale=1.5)
+    with pytest.raises(ValueError, match="no real token"):
+        model.generate(ids, attention_mask=torch.zeros_like(mask), max_new_tokens=2,
+                       do_sample=False)
+
+
 def test_a_direct_forward_without_position_ids_takes_the_plans(model):
     """model(ids, cache=PagedKVCache) after begin_step(plan), rows of different contexts packed
     in one [1, N] input: each row's positions come from the plan, not from one offset for all."""

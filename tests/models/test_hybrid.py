@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from driver import HYBRID_TYPES, NEW_TOKENS, PROMPTS, greedy, left_padded, shape_mesh, tiny_model
 
 import torch_cp
@@ -187,12 +188,15 @@ def test_model_generate_left_padded_batch_equals_hf(model_type, reference):
     ref = reference(model_type, PROMPTS)
     ids, mask = left_padded(PROMPTS)
     torch_cp.patch_model(model, page_size=4)
-    for chunk in (None, 4):  # 4: the short rows' first chunks hold only padding
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+    # 4: the short rows' first chunks hold only padding; 4 more columns of padding in front:
+    # the first chunk holds no real token in any row (skipped, no state touched)
+    for chunk, extra in ((None, 0), (4, 0), (4, 4)):
+        padded_ids, padded_mask = F.pad(ids, (extra, 0)), F.pad(mask, (extra, 0))
+        out = model.generate(padded_ids, attention_mask=padded_mask, max_new_tokens=NEW_TOKENS,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0, prefill_chunk_size=chunk)
-        assert_matches(out.sequences[:, ids.shape[1]:].tolist(), out.logits[-1].float(), ref,
-                       f"model.generate, prefill_chunk_size={chunk}")
+        assert_matches(out.sequences[:, padded_ids.shape[1]:].tolist(), out.logits[-1].float(),
+                       ref, f"model.generate, prefill_chunk_size={chunk}, {extra} more padding")
 
 
 @pytest.mark.parametrize("model_type", HYBRID_TYPES)

@@ -41,6 +41,12 @@ def unpack_tokens(plan: StepPlan, out_nd: torch.Tensor, batch: int, seq: int) ->
     return full.index_copy(0, index, out_nd[: index.shape[0]]).view(batch, seq, -1)
 
 
+def no_tokens(plan: StepPlan) -> bool:
+    """Whether the step has no token to attend or cache (a ``model.generate`` prefill chunk of
+    left padding only): every rank's layers then skip their attention alike, collectives too."""
+    return plan.positions.shape[0] == 0
+
+
 def patched_forward(family, attn: nn.Module):
     """The forward that replaces ``attn.forward``: takes what the Hugging Face decoder layer
     passes and runs ``family.forward`` over the ``PagedKVCache``'s pool and plan."""
@@ -49,6 +55,8 @@ def patched_forward(family, attn: nn.Module):
         paged = paged_cache_from(cache if cache is not None else past_key_values)
         plan = paged.plan
         batch, seq, _ = hidden_states.shape
+        if no_tokens(plan):
+            return torch.zeros_like(hidden_states), None  # the residual's width
         x_nd, cos_nd, sin_nd = pack_tokens(plan, hidden_states, position_embeddings)
         out_nd = family.forward(attn, x_nd, cos_nd, sin_nd, paged.pool, plan)
         return unpack_tokens(plan, out_nd, batch, seq), None
@@ -62,6 +70,8 @@ def patched_linear_forward(family, mod: nn.Module):
         paged = paged_cache_from(cache if cache is not None else cache_params)
         plan = paged.plan
         batch, seq, _ = hidden_states.shape
+        if no_tokens(plan):
+            return torch.zeros_like(hidden_states)
         x_nd = pack_tokens(plan, hidden_states, None)
         out_nd = family.linear_forward(mod, x_nd, paged.state, plan)
         return unpack_tokens(plan, out_nd, batch, seq)

@@ -65,8 +65,13 @@ class GenerateCache(PagedKVCache):
                 else attention_mask[:, -s:].to("cpu", torch.bool))
         q_lens = mask.sum(1).tolist()
         rows = [r for r in range(b) if q_lens[r] > 0]  # a chunk may hold only a row's padding
-        if not rows:
-            raise ValueError("the input has no real token (its attention mask is all zeros)")
+        if not rows:  # a prefill chunk of left padding only: nothing to attend, nothing cached
+            self.plan = build_step_plan([], [], [], page_size=self.pool.page_size,
+                                        sink_page=self.pool.sink_page,
+                                        placement=self.runtime.placement,
+                                        device=self.runtime.device)
+            self.columns += s
+            return
         for r in rows:
             if not self.allocator.reserve(r, self.row_lens[r] + q_lens[r]):
                 raise ValueError(
@@ -168,9 +173,10 @@ def _plan_before_forward(module, args, kwargs):
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
                                   batch_size, max_cache_length):
-    """Make a ``GenerateCache`` unless the caller passed a cache. ``use_cache=False`` (as a
-    call's argument or a checkpoint's config) is overridden: the patched attention runs from
-    the paged cache alone, and the tokens are the ones generating without a cache gives."""
+    """Make a ``GenerateCache`` unless the caller passed one (``new_cache``; any other cache is
+    refused). ``use_cache=False`` (as a call's argument or a checkpoint's config) is overridden:
+    the patched attention runs from the paged cache alone, and the tokens are the ones
+    generating without a cache gives."""
     mask = model_kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2:  # the whole prompt's, whatever the chunks
         mask = mask.to("cpu", torch.bool)
@@ -179,13 +185,22 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
             raise ValueError(f"rows {right_padded} are padded on the right: generate would read "
                              f"their next token at a padding column; pad on the left "
                              f"(tokenizer.padding_side = 'left')")
-    user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if user is not None:
-        return compat.prepare_cache_default(self, generation_config, model_kwargs,
-                                            generation_mode, batch_size, max_cache_length)
+        if not mask.any():
+            raise ValueError("the input has no real token (its attention mask is all zeros)")
     if generation_config.output_attentions:
         raise ValueError(NO_ATTENTION_WEIGHTS)
+    if generation_config.guidance_scale not in (None, 1, 1.0):
+        raise ValueError("guidance_scale (classifier-free guidance) runs the model again without "
+                         "a cache, which a torch_cp-patched model cannot; leave it unset")
     generation_config.use_cache = True  # generate's own copy; it passes this to each forward
+    user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if user is not None:
+        if not isinstance(user, GenerateCache):
+            raise ValueError(f"model.generate on a torch_cp-patched model takes a cache made by "
+                             f"torch_cp.new_cache(model, batch_size, max_length), got "
+                             f"{type(user).__name__}")
+        return compat.prepare_cache_default(self, generation_config, model_kwargs,
+                                            generation_mode, batch_size, max_cache_length)
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                          f"supported by a torch_cp-patched model; leave it unset")
