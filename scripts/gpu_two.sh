@@ -15,6 +15,7 @@ PART="${1:?usage: $0 1|2|3}"
 OUT="${OUT:-gpu-logs}"
 BUDGET="${BUDGET:-580}"
 mkdir -p "$OUT"
+: > "$OUT/rc.txt"
 T0=$(date +%s)
 TR="torchrun --standalone --nproc-per-node"
 
@@ -25,7 +26,7 @@ run() {
   if [ "$left" -lt 30 ]; then echo "$name skipped (budget)" >> "$OUT/rc.txt"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   local start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout --kill-after 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc $? $(( $(date +%s) - start ))s" >> "$OUT/rc.txt"
 }
 
@@ -62,13 +63,13 @@ python - "$OUT" "$PART" <<'PY'
 import json, pathlib, sys
 out, part = pathlib.Path(sys.argv[1]), sys.argv[2]
 merged, logs = {}, [(out / "rc.txt").read_text()]
-for path in sorted(out.glob("*.json")):
+for path in sorted(p for p in out.glob("*.json") if not p.name.startswith("part")):
     try:
         merged[path.name] = json.loads(path.read_text())
     except ValueError as e:  # cut by a timeout
         merged[path.name] = f"unreadable: {e}"
     path.unlink()
-for path in sorted(out.glob("*.log")):
+for path in sorted(p for p in out.glob("*.log") if not p.name.startswith("part")):
     logs.append(f"==== {path.name}\n" + "\n".join(path.read_text().splitlines()[-80:]) + "\n")
     path.unlink()
 (out / f"part{part}.json").write_text(json.dumps(merged, indent=1))

@@ -3,8 +3,8 @@ random Qwen3.5 (hybrid: gated DeltaNet layers around a full-attention one) for t
 
 It needs no download. One KV head (four query heads) lets TP-mode context parallelism run at
 tp = 2 and 4; ``initializer_range=0.15`` keeps greedy logit gaps large enough in float32 that
-greedy tokens are a stable comparison: the top-1 / top-2 logit gaps stay above 5e-3, far above
-float32 reassociation.
+greedy tokens are a stable comparison: the top-1 / top-2 logit gaps of the tests' greedy paths
+stay above 1e-3 (the smallest measured 1.4e-3), far above float32 reassociation (~1e-6).
 """
 
 from __future__ import annotations

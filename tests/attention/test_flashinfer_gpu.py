@@ -138,11 +138,12 @@ def test_a_large_gqa_group_plans_within_its_workspace(size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("own_tokens", ["torch", "auto"])
-@pytest.mark.parametrize("heads", [16, 20, 40])
+@pytest.mark.parametrize("heads", [16, 20, 40, 5, 10])
 def test_mla_own_token_paths(heads, own_tokens, monkeypatch):
-    """20 and 40 heads: FlashInfer 0.7.2 cannot plan causal MLA exactly at MIXED's query tile
-    (128); "auto" runs them as 16 + 4 and 32 + 8, each part's queries read and outputs written
-    in place. Which kernel ran is checked too."""
+    """20, 40, 5 and 10 heads (GLM-4.7-Flash whole, and at TP 4 and 2): FlashInfer 0.7.2 cannot
+    plan causal MLA exactly at MIXED's query tile (128); "auto" runs them as 16 + 4, 32 + 8,
+    4 + 1 and 8 + 2, each part's queries read and outputs written in place. Which kernel ran is
+    checked too."""
     from torch_cp.attention import flashinfer_mla
 
     dense = flashinfer_mla.dense_own_mla
@@ -330,7 +331,7 @@ def test_graph_bucket_wrappers_replay_like_eager(kind, step):
     within bf16 tolerance (the graph plans split KV differently). Planning never synchronizes
     (it runs while the step launched before it executes). ``gqa-triton``: decode steps on
     torch_cp's Triton kernels, graph-ready and eager alike. ``mla20``: 20 heads, whose own
-    tokens run as 16 + 4 (``mla_planner.own_token_heads``), both parts captured."""
+    tokens run as 16 + 4 (``mla_planner.own_token_parts``), both parts captured."""
     from gpu_harness import GROUP, geometry_for
 
     options = {}

@@ -10,9 +10,9 @@ import pytest
 
 from torch_cp.attention.mla_planner import (
     causal_mla_on_flashinfer,
-    own_heads_for,
-    own_parts_most,
-    own_token_heads,
+    max_own_parts,
+    own_parts_for,
+    own_token_parts,
 )
 
 PREFILL = [512] * 4  # tile 128 at any head count
@@ -24,9 +24,9 @@ TINY = [1, 0, 0, 0]  # mean q * H <= 64 up to 256 heads: tile 64
                                          (40, (32, 8)), (5, (4, 1)), (48, (32, 16)), (1, (1,)),
                                          (63, (32, 16, 8, 4, 2, 1))])
 def test_heads_that_tile_run_at_once_and_others_in_power_of_two_parts(q_lens, heads, want):
-    parts = own_token_heads(q_lens, heads)
+    parts = own_token_parts(q_lens, heads)
     assert parts == want
-    assert sum(parts) == heads and len(parts) <= own_parts_most(heads)
+    assert sum(parts) == heads and len(parts) <= max_own_parts(heads)
     assert all(causal_mla_on_flashinfer(q_lens, part) for part in parts)
     assert causal_mla_on_flashinfer(q_lens, heads) == (parts == (heads,))
 
@@ -39,13 +39,13 @@ def test_heads_that_tile_run_at_once_and_others_in_power_of_two_parts(q_lens, he
     (PREFILL, 200, (64, 64, 64, 8)),
 ])
 def test_more_heads_than_a_tile_run_in_parts_of_at_most_64(q_lens, heads, want):
-    parts = own_token_heads(q_lens, heads)
-    assert parts == want and len(parts) <= own_parts_most(heads)
+    parts = own_token_parts(q_lens, heads)
+    assert parts == want and len(parts) <= max_own_parts(heads)
     assert all(causal_mla_on_flashinfer(q_lens, part) for part in parts)
 
 
 def test_each_mode_runs_the_own_tokens_with_its_heads():
-    assert own_heads_for("auto", PREFILL, 16) == (16,)
-    assert own_heads_for("auto", PREFILL, 20) == (16, 4)
-    assert own_heads_for("auto", TINY, 128) == (64, 64)
-    assert own_heads_for("torch", PREFILL, 16) is None
+    assert own_parts_for("auto", PREFILL, 16) == (16,)
+    assert own_parts_for("auto", PREFILL, 20) == (16, 4)
+    assert own_parts_for("auto", TINY, 128) == (64, 64)
+    assert own_parts_for("torch", PREFILL, 16) is None

@@ -197,7 +197,7 @@ def test_a_config_that_cannot_be_read_is_named_with_the_other_problems(checkpoin
     config = json.loads((path / "config.json").read_text())
     for text, problem in ((json.dumps({**config, "model_type": "qwen99"}), "model type `qwen99`"),
                           ("{not json", "not a valid JSON file"),
-                          (json.dumps({"model_type": "t5"}), "T5Config: Unrecognized")):
+                          (json.dumps({"model_type": "t5"}), "T5Config builds no causal LM")):
         (path / "config.json").write_text(text)
         with pytest.raises(ValueError) as info:
             torch_cp.from_pretrained(path, dtype=torch.float64)

@@ -40,7 +40,8 @@ TENSOR_CORE_MIN_GROUP = 4
 # 9.6 / 10.0 us at 512 slots, 18.4 / 11.6 against 14.5 / 11.9 at 4096, 99 / 56 against 42 / 28
 # at 32768; at 32-64 rows FlashInfer wins (runs 81, 87). End to end, 256-token calls at
 # prompt 512 x 1, the fastest of five (run 96): Qwen3-30B-A3B 260 against 242 tokens/s (3.67
-# against 3.85 ms a step), Qwen3-8B 191 against 188 (5.12 against 5.24 ms); so "auto".
+# against 3.85 ms a step, every call 63-83 ms shorter), Qwen3-8B 191 against 188 (5.12 against
+# 5.24 ms; that cell printed only); so "auto".
 DECODE_KERNEL = "auto"
 DECODE_KERNELS = ("flashinfer", "triton", "auto")
 TRITON_STEP_TOKENS = 1

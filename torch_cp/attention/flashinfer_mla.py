@@ -31,9 +31,9 @@ from torch_cp.attention.flashinfer_common import (
 )
 from torch_cp.attention.mla_planner import (
     check_mla_work_items,
+    max_own_parts,
     mixed_bucket_problems,
-    own_heads_for,
-    own_parts_most,
+    own_parts_for,
 )
 from torch_cp.attention.partial import Partial
 from torch_cp.plan import Bucket, StepPlan
@@ -92,7 +92,7 @@ class FlashInferMLABackend(FlashInferBackend):
         dtype: query and pool dtype.
         fa_backend: FlashInfer MLA backend, ``"fa3"`` on Hopper and ``"fa2"`` elsewhere by default.
         own_tokens: ``"auto"`` (FlashInfer, the heads in parts where it would not plan causal
-            MLA exactly, ``own_token_heads``) or ``"torch"``.
+            MLA exactly, ``own_token_parts``) or ``"torch"``.
     """
 
     def __init__(self, geometry: AttentionGeometry, device: torch.device | str, *,
@@ -124,7 +124,7 @@ class FlashInferMLABackend(FlashInferBackend):
         g = self.geometry
         problems = []
         for rows, tokens in shapes:
-            own = own_heads_for(self.own_tokens, [0] * rows + [tokens], g.q_heads) or (0,)
+            own = own_parts_for(self.own_tokens, [0] * rows + [tokens], g.q_heads) or (0,)
             problems += mixed_bucket_problems([(rows, tokens)], max(g.context_q_heads, *own),
                                               self.num_sms)
         return problems
@@ -141,7 +141,7 @@ class _MLAKernels:
         self.num_sms, self.own_tokens = backend.num_sms, backend.own_tokens
         self._metadata = MLAPlanMetadata
         names = ("decode", "context") + tuple(
-            _own(i) for i in range(own_parts_most(backend.geometry.q_heads)))
+            _own_wrapper(i) for i in range(max_own_parts(backend.geometry.q_heads)))
         buffers = _graph_buffers(bucket, names, backend.device) if bucket is not None else {}
         self._wrappers = {
             name: BatchMLAPagedAttentionWrapper(
@@ -181,7 +181,7 @@ class _MLAKernels:
         q_lens = q_lens_t.tolist()
         if plan.attends_context:  # a step of fresh rows runs its own tokens only
             check_mla_work_items(q_lens, g.context_q_heads, self.num_sms, plan.num_rows)
-        own_parts = None if plan.is_decode else own_heads_for(self.own_tokens, q_lens, g.q_heads)
+        own_parts = None if plan.is_decode else own_parts_for(self.own_tokens, q_lens, g.q_heads)
         for heads in set(own_parts or ()):
             check_mla_work_items(q_lens, heads, self.num_sms, plan.num_rows)
         if plan.attends_context:
@@ -191,7 +191,7 @@ class _MLAKernels:
         if own_parts:
             tokens = torch.arange(int(qo[-1]), dtype=torch.int32)
             for i, heads in enumerate(own_parts):
-                self._plan_wrapper(_own(i), qo, qo, tokens, q_lens_t, heads, 1, causal=True)
+                self._plan_wrapper(_own_wrapper(i), qo, qo, tokens, q_lens_t, heads, 1, causal=True)
         self._own_parts = own_parts
         if not plan.is_decode:  # in place: captured kernels keep reading these tensors
             self._real = staged(self._real, real_token_mask(plan))
@@ -229,7 +229,7 @@ class _MLAKernels:
         lses, start = [], 0
         for i, heads in enumerate(self._own_parts):
             part = slice(start, start + heads)
-            _, lse = self._wrappers[_own(i)].run(query=self._split(q[:, part]),
+            _, lse = self._wrappers[_own_wrapper(i)].run(query=self._split(q[:, part]),
                                                  kv_cache=(ckv, kpe), out=out[:, part],
                                                  return_lse=True)
             lses.append(lse)
@@ -237,7 +237,7 @@ class _MLAKernels:
         return Partial(out, lses[0] if len(lses) == 1 else torch.cat(lses, 1))
 
 
-def _own(part: int) -> str:
+def _own_wrapper(part: int) -> str:
     """The name of the wrapper of the own tokens' ``part``-th heads."""
     return f"own{part}"
 

@@ -3,7 +3,7 @@
 Its planner refuses more than 16384 work items. ``mla_work_items`` bounds the count from query
 lengths alone, so every partner refuses the same step before planning (``PlannerCapExceeded``)
 and the engine can retry it smaller. Its causal kernels drop keys unless the query tile is a
-multiple of the head count (``causal_mla_on_flashinfer``; ``own_token_heads`` runs the heads
+multiple of the head count (``causal_mla_on_flashinfer``; ``own_token_parts`` runs the heads
 in parts that are). Host arithmetic only: nothing here imports FlashInfer.
 """
 
@@ -91,7 +91,7 @@ def causal_mla_on_flashinfer(q_lens: Sequence[int], num_heads: int) -> bool:
 MAX_OWN_PART = 64
 
 
-def own_token_heads(q_lens: Sequence[int], num_heads: int) -> tuple[int, ...]:
+def own_token_parts(q_lens: Sequence[int], num_heads: int) -> tuple[int, ...]:
     """The query heads FlashInfer's causal own-token kernel runs, one launch per part over
     consecutive heads: all at once where it plans causal MLA exactly, else powers of two of at
     most ``MAX_OWN_PART``, largest first (20 heads as 16 + 4), each of which divides either
@@ -104,13 +104,13 @@ def own_token_heads(q_lens: Sequence[int], num_heads: int) -> tuple[int, ...]:
             + tuple(1 << b for b in reversed(range(rest.bit_length())) if rest >> b & 1))
 
 
-def own_parts_most(num_heads: int) -> int:
-    """The most parts ``own_token_heads`` cuts ``num_heads`` into, at any query lengths."""
+def max_own_parts(num_heads: int) -> int:
+    """The most parts ``own_token_parts`` cuts ``num_heads`` into, at any query lengths."""
     return max(1, num_heads // MAX_OWN_PART + (num_heads % MAX_OWN_PART).bit_count())
 
 
-def own_heads_for(own_tokens: str, q_lens: Sequence[int], num_heads: int
+def own_parts_for(own_tokens: str, q_lens: Sequence[int], num_heads: int
                   ) -> tuple[int, ...] | None:
     """The head parts a step's own tokens run in on FlashInfer under the backend's
-    ``own_tokens`` (``"auto"``: ``own_token_heads``); None where they run on torch."""
-    return own_token_heads(q_lens, num_heads) if own_tokens == "auto" else None
+    ``own_tokens`` (``"auto"``: ``own_token_parts``); None where they run on torch."""
+    return own_token_parts(q_lens, num_heads) if own_tokens == "auto" else None

@@ -186,14 +186,15 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (ValueError, OSError, KeyError) as e:  # an unknown model_type, a config not JSON
-        problems.append(f"config.json: {e}")
+        problems.append(f"config.json: {type(e).__name__}: {e}")
     dtype = _dtype(dtype, config, leaves, problems)
     device = _device(device, mesh)
     if config is not None:
         try:
             model = _meta_model(config, dtype)
         except ValueError as e:  # no causal LM for this config (an encoder-decoder, ...)
-            problems.append(f"{type(config).__name__}: {e}")
+            problems.append(f"{type(config).__name__} builds no causal LM: {type(e).__name__}: "
+                            f"{e}")
     if model is None:
         _refuse(path, problems)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
