@@ -229,9 +229,9 @@ class _MLAKernels:
         lses, start = [], 0
         for i, heads in enumerate(self._own_parts):
             part = slice(start, start + heads)
-            _, lse = self._wrappers[_own_wrapper(i)].run(query=self._split(q[:, part]),
-                                                 kv_cache=(ckv, kpe), out=out[:, part],
-                                                 return_lse=True)
+            wrapper = self._wrappers[_own_wrapper(i)]
+            _, lse = wrapper.run(query=self._split(q[:, part]), kv_cache=(ckv, kpe),
+                                 out=out[:, part], return_lse=True)
             lses.append(lse)
             start += heads
         return Partial(out, lses[0] if len(lses) == 1 else torch.cat(lses, 1))
@@ -252,6 +252,7 @@ def _graph_buffers(bucket: Bucket, names: Sequence[str], device: torch.device) -
                     kv_indices=torch.zeros(indices, **i32),
                     kv_len_arr=torch.zeros(rows, **i32))
 
-    return {name: csr(bucket.rows, bucket.max_pages) if name == "decode"
-            else csr(bucket.rows + 1, bucket.max_pages) if name == "context"
-            else csr(bucket.rows + 1, bucket.tokens) for name in names}
+    sizes = {"decode": (bucket.rows, bucket.max_pages),
+             "context": (bucket.rows + 1, bucket.max_pages)}
+    own = (bucket.rows + 1, bucket.tokens)  # every own-token part's wrapper
+    return {name: csr(*sizes.get(name, own)) for name in names}
