@@ -10,10 +10,11 @@ projections, an MLP's gate and up) run as one GEMM over their weights concatenat
 
 The concatenated weight is the storage: each linear's weight (and bias) becomes a view of its
 rows, so the memory, the modules and their state-dict entries stay as they were, and weights
-copied in later (``load_state_dict``) reach the GEMM. The model is patched after it is moved and
-loaded, as ``patch_model`` asks; moved or cast after, the linears become views of the converted
-fused weight again (``FusedLinear._apply``); parameters replaced after
-(``load_state_dict(assign=True)``) would not reach the fused weight.
+copied in later (``load_state_dict``) reach the GEMM; replaced (``load_state_dict(assign=True)``),
+the fused weight is made from them again. The model is patched after it is moved and loaded, as
+``patch_model`` asks (the engine refuses a model cast or moved after: ``runtime_to_run``); moved
+or cast after all the same, the linears become views of the converted fused weight again
+(``FusedLinear._apply``).
 ``unpatch_model`` gives each linear its own storage back. Linears that are not plain
 ``nn.Linear`` of one dtype and device, or that carry hooks, run one by one.
 
@@ -81,6 +82,8 @@ class FusedLinear(nn.Module):
         self.register_buffer("weight", _concatenate(linears, "weight"), persistent=False)
         bias = _concatenate(linears, "bias") if linears[0].bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
+        # Registered after the linears (its parent's last child), so it loads after them.
+        self.register_load_state_dict_post_hook(_fuse_replaced)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.fused:
@@ -108,6 +111,20 @@ class FusedLinear(nn.Module):
                     p = getattr(m, name)
                     if p is not None:
                         setattr(m, name, _parameter_like(p, p.detach().clone()))
+
+
+def _fuse_replaced(fused: FusedLinear, incompatible_keys) -> None:
+    """After ``load_state_dict``: where it replaced the linears' parameters (``assign=True``)
+    rather than copying into them, the fused weight is made from the new ones (it would keep
+    running the old weights, silently)."""
+    for name in ("weight", "bias"):
+        whole = getattr(fused, name)
+        if whole is None:
+            continue
+        parts = [getattr(m, name) for m in fused.linears]
+        now = _consecutive(parts)
+        if now is None or now.data_ptr() != whole.data_ptr() or now.shape != whole.shape:
+            setattr(fused, name, _concatenate(fused.linears, name))
 
 
 def _concatenate(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:

@@ -95,3 +95,33 @@ def runtime_of(model) -> ModelRuntime:
     if not isinstance(runtime, ModelRuntime):
         raise ValueError("the model is not patched: call torch_cp.patch_model(model, ...) first")
     return runtime
+
+
+def runtime_to_run(model) -> ModelRuntime:
+    """``runtime_of(model)``, for making pools and running steps: ValueError when the model was
+    cast or moved after patching (``patch_model`` sized the pools and built the attention
+    backend for the dtype and device it saw; they would not follow)."""
+    runtime = runtime_of(model)
+    param = next(model.parameters(), None)
+    if param is None:
+        return runtime
+    dtype, device = getattr(model, "dtype", param.dtype), param.device
+    problems = []
+    if dtype != runtime.dtype:
+        problems.append(f"cast to {dtype}")
+    if _indexed(device) != _indexed(runtime.device):
+        problems.append(f"moved to {device}")
+    if problems:
+        raise ValueError(f"the model was {' and '.join(problems)} after torch_cp.patch_model, "
+                         f"which built its pools and attention backend for {runtime.dtype} on "
+                         f"{runtime.device}: cast and move the model before patching it (or "
+                         f"unpatch_model, cast, and patch again)")
+    return runtime
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index ("cuda" is the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

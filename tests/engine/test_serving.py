@@ -296,6 +296,39 @@ def test_a_str_is_one_stop_string_and_an_int_one_stop_token(hf_tokens):
     assert got[by_int] == generated[:generated.index(first) + 1] and reasons[by_int] == "stop"
 
 
+def test_stop_strings_no_request_names_are_dropped_but_the_last_used(hf_tokens):
+    """Helper 61's soak: every distinct stop string's criterion (about 4 MB at a 150k
+    vocabulary) was kept for the engine's life. Now only ``IDLE_KEPT`` that no live request
+    names stay, the ones used last, and the other ranks drop what rank 0 drops."""
+    from torch_cp.engine.stops import IDLE_KEPT, StopStrings
+
+    tok = tiny_tokenizer()
+    texts = [f"zz{i}\x07" for i in range(IDLE_KEPT + 5)]  # never generated: each runs its length
+    e = engine()
+    for text in texts:
+        e.submit(PROMPTS[2], 2, stop_strings=text, tokenizer=tok)
+    got, reasons = collect(e.stream())
+    assert set(reasons.values()) == {"length"} and all(v == hf_tokens[2][:2] for v in got.values())
+    e.step()  # idle: the criteria of the ended requests are forgotten at a step's decisions
+    stops = e._stop_strings
+    assert len(stops) == IDLE_KEPT
+    kept = stops.number(tok, (texts[-1],))  # kept: the same criterion, not made again
+    assert len(stops) == IDLE_KEPT and stops[kept] is stops[stops.number(tok, (texts[-1],))]
+    again = e.submit(PROMPTS[3], NEW, stop_strings=texts[0], tokenizer=tok)  # dropped: made anew
+    got, reasons = collect(e.stream())
+    assert got[again] == hf_tokens[3] and reasons[again] == "length"
+    assert_pool_whole(e)
+    # Another rank mirrors rank 0 from what it sends (criteria, and None for each dropped).
+    rank0, rank1 = StopStrings(), StopStrings()
+    for text in texts:
+        rank0.number(tok, (text,))
+    rank1.learn(rank0.unsent())
+    rank0.forget_idle(live={0})
+    rank1.learn(rank0.unsent())
+    assert len(rank0) == IDLE_KEPT + 1 and all(rank1[n] is rank0[n] for n in rank0._criteria)
+    assert len(rank1) == len(rank0)
+
+
 def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     e = engine()
     vocab = tiny_qwen3().config.vocab_size

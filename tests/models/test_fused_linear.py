@@ -152,6 +152,35 @@ def test_cast_after_patching_the_linears_still_share_the_fused_weight():
                                                      dtype=torch.float64))
 
 
+def test_a_model_cast_after_patching_is_refused_before_any_pool(tmp_path):
+    """Helper 61: the pools and the attention backend keep the dtype patching saw (a bf16 model
+    got float32 pools, twice the bytes); the engine, generate and new_cache say so instead."""
+    model = torch_cp.patch_model(tiny_model("qwen3")).to(torch.bfloat16)
+    refused = "the model was cast to torch.bfloat16 after torch_cp.patch_model"
+    with pytest.raises(ValueError, match=refused):
+        torch_cp.Engine(model, num_pages=8)
+    with pytest.raises(ValueError, match=refused):
+        torch_cp.generate(model, [[1, 2, 3]], 2, progress=False)
+    with pytest.raises(ValueError, match=refused):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+
+
+def test_weights_assigned_after_patching_reach_the_fused_gemms():
+    """``load_state_dict(assign=True)`` replaces the linears' parameters: the fused q/k/v and
+    gate/up are made from the new ones (they kept running the old weights, helper 61)."""
+    want = tiny_model("qwen3")
+    model = torch_cp.patch_model(tiny_model("qwen3", seed=1))
+    model.load_state_dict(want.state_dict(), assign=True)
+    prompt = [[5, 7, 9, 11, 13, 100, 3]]
+    with torch.no_grad():
+        ref = want.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False)[0, 7:]
+    got = torch_cp.generate(model, prompt, 8, progress=False)[0].token_ids
+    assert list(got) == ref.tolist()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.weight.data_ptr() == attn.cp_in.weight.data_ptr()
+    assert torch.equal(mlp.cp_gate_up.weight[mlp.gate_proj.out_features:], mlp.up_proj.weight)
+
+
 def test_fused_parameters_keep_their_attributes():
     mods = linears(False)
     mods[1].weight.tp_shard = "record"

@@ -34,7 +34,7 @@ from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
-from torch_cp.runtime import new_state_pool, runtime_of
+from torch_cp.runtime import new_state_pool, runtime_to_run
 from torch_cp.state import StatePool
 
 DEFAULT_TOKENS_PER_STEP = 2048
@@ -110,7 +110,7 @@ class Engine(BatchRuns, Serving):
                  overlap_planning: bool = False, progress: bool = False,
                  prefix_caching: bool = False, state_checkpoints: int | None = None):
         self.model = model
-        self.runtime = runtime_of(model)
+        self.runtime = runtime_to_run(model)
         page_size = self.runtime.page_size if page_size is None else page_size
         hybrid = self.runtime.linear is not None
         problems = engine_problems(num_pages, page_size, self.runtime.placement.size,

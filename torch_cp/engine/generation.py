@@ -26,7 +26,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request
-from torch_cp.runtime import runtime_of
+from torch_cp.runtime import runtime_of, runtime_to_run
 
 
 def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,
@@ -126,7 +126,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
             entries that are not ints, a page size, ``logprobs`` or engine settings that cannot
             be.
     """
-    runtime = runtime_of(model)
+    runtime = runtime_to_run(model)
     page_size = runtime.page_size if page_size is None else page_size
     problems = []  # every one named at once, before anything is allocated
     sampling = _checked(problems, SamplingParams, temperature, top_k, top_p, seed)

@@ -176,11 +176,16 @@ class Serving:
         """Rank 0's pending submissions and aborts, on every rank (with the stop-string
         criteria they name that it has not sent before)."""
         pending, self._pending = self._pending, []
+        if not self.broadcast or dist.get_rank() == 0:  # the one that numbers the criteria
+            live = {o.stop for o in self._options.values()}
+            live |= {op[4].stop for op in pending if op[0] == "submit"}
+            self._stop_strings.forget_idle(live)
+        changes = self._stop_strings.unsent()
         if self.broadcast:
-            box = [(pending, self._stop_strings.unsent())]
+            box = [(pending, changes)]
             dist.broadcast_object_list(box, src=0)
-            pending, criteria = box[0]
-            self._stop_strings.learn(criteria)
+            pending, changes = box[0]
+            self._stop_strings.learn(changes)
             self._next_id = max([self._next_id] + [p[1] + 1 for p in pending if p[0] == "submit"])
         return pending
 

@@ -9,18 +9,23 @@ criterion crosses from rank 0 to the other ranks once, with the first step that 
 
 from __future__ import annotations
 
+# Criteria no live request names, kept for the next requests that name them (the ones used last).
+IDLE_KEPT = 8
+
 
 class StopStrings:
-    """Criteria by number. Rank 0 numbers them (``number``) and sends the ones the other ranks
-    have not had (``unsent``); every rank learns what rank 0 sent (``learn``) and looks them up
-    by number."""
+    """Criteria by number. Rank 0 numbers them (``number``), drops those no live request names
+    beyond the ``IDLE_KEPT`` used last (``forget_idle``), and sends the other ranks what changed
+    since (``unsent``: a criterion, or None for one dropped); every rank learns what rank 0 sent
+    (``learn``) and looks them up by number."""
 
     def __init__(self) -> None:
         # (id(tokenizer), strings) -> (tokenizer, number): the tokenizer kept, so its id is not
         # reused while the entry lives
         self._numbers: dict[tuple, tuple[object, int]] = {}
-        self._criteria: dict[int, object] = {}
-        self._unsent: dict[int, object] = {}
+        self._criteria: dict[int, object] = {}  # in the order of their last use
+        self._unsent: dict[int, object | None] = {}
+        self._next = 0  # numbers are never reused
 
     def number(self, tokenizer, strings: tuple[str, ...]) -> int:
         """The number of the criterion for ``strings`` under ``tokenizer``, made if new."""
@@ -29,20 +34,40 @@ class StopStrings:
         if made is None or made[0] is not tokenizer:  # an id reused by another tokenizer
             from transformers.generation.stopping_criteria import StopStringCriteria
 
-            number = max(self._criteria, default=-1) + 1  # past any learned from rank 0
+            number, self._next = self._next, self._next + 1
             criterion = StopStringCriteria(tokenizer, list(strings))
             self._criteria[number] = self._unsent[number] = criterion
             made = self._numbers[key] = (tokenizer, number)
+        else:
+            self._criteria[made[1]] = self._criteria.pop(made[1])  # used last
         return made[1]
 
-    def unsent(self) -> dict[int, object]:
-        """The criteria made since the last call: to send with the next decisions."""
+    def forget_idle(self, live: set[int]) -> None:
+        """Drop the criteria no number in ``live`` names, but the ``IDLE_KEPT`` used last: a
+        server whose requests bring their own stop strings would keep every one (each about
+        4 MB for a 150k vocabulary) for the engine's life."""
+        idle = [n for n in self._criteria if n not in live]
+        for number in idle[:max(len(idle) - IDLE_KEPT, 0)]:
+            del self._criteria[number]
+            self._unsent[number] = None
+        self._numbers = {k: v for k, v in self._numbers.items() if v[1] in self._criteria}
+
+    def unsent(self) -> dict[int, object | None]:
+        """What changed since the last call: to send with the next decisions."""
         unsent, self._unsent = self._unsent, {}
         return unsent
 
-    def learn(self, criteria: dict[int, object]) -> None:
-        """Take rank 0's criteria (its numbers win over any this rank made itself)."""
-        self._criteria.update(criteria)
+    def learn(self, changes: dict[int, object | None]) -> None:
+        """Take rank 0's changes (its numbers win over any this rank made itself)."""
+        for number, criterion in changes.items():
+            if criterion is None:
+                self._criteria.pop(number, None)
+            else:
+                self._criteria[number] = criterion
+            self._next = max(self._next, number + 1)
+
+    def __len__(self) -> int:
+        return len(self._criteria)
 
     def __getitem__(self, number: int):
         return self._criteria[number]

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.plan import StepPlan
-from torch_cp.runtime import ModelRuntime, new_state_pool, runtime_of
+from torch_cp.runtime import ModelRuntime, new_state_pool, runtime_to_run
 from torch_cp.state import StatePool
 
 
@@ -49,7 +49,7 @@ class PagedKVCache(Cache):
         """A cache with a fresh pool of ``num_pages`` pages for a patched ``model`` (page size:
         the one given to ``patch_model`` unless overridden), and for a hybrid model a state
         pool of ``state_slots`` slots."""
-        runtime = runtime_of(model)
+        runtime = runtime_to_run(model)
         return cls(runtime, runtime.new_pool(num_pages, page_size),
                    new_state_pool(runtime, state_slots))
 

@@ -30,7 +30,7 @@ from torch_cp import compat
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
-from torch_cp.runtime import new_state_pool, runtime_of
+from torch_cp.runtime import new_state_pool, runtime_to_run
 
 NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
                         "output_attentions=True needs the unpatched model (unpatch_model)")
@@ -136,7 +136,7 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
         max_length: the longest row, prompt (with its padding) and new tokens.
         page_size: tokens per page (default: the one given to ``patch_model``).
     """
-    runtime = runtime_of(model)
+    runtime = runtime_to_run(model)
     size = runtime.page_size if page_size is None else page_size
     problems = [f"{name} must be a positive int, got {v!r}" for name, v in
                 (("batch_size", batch_size), ("max_length", max_length)) if not _positive(v)]
