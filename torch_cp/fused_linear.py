@@ -10,11 +10,13 @@ projections, an MLP's gate and up) run as one GEMM over their weights concatenat
 
 The concatenated weight is the storage: each linear's weight (and bias) becomes a view of its
 rows, so the memory, the modules and their state-dict entries stay as they were, and weights
-copied in later (``load_state_dict``) reach the GEMM; replaced (``load_state_dict(assign=True)``),
-the fused weight is made from them again. The model is patched after it is moved and loaded, as
-``patch_model`` asks (the engine refuses a model cast or moved after: ``runtime_to_run``); moved
-or cast after all the same, the linears become views of the converted fused weight again
-(``FusedLinear._apply``).
+copied in later (``load_state_dict``) reach the GEMM; replaced (``load_state_dict(assign=True)``,
+set by hand), the fused weight is made from them again (``fuse_replaced``: at the load of a whole
+module, and when an engine, ``generate`` or ``new_cache`` starts; not in an engine already
+running, whose CUDA graphs hold the old weight). The model is patched after it is moved and
+loaded, as ``patch_model`` asks (the engine refuses a model cast or moved after:
+``runtime_to_run``); moved or cast after all the same, the linears become views of the converted
+fused weight again (``FusedLinear._apply``).
 ``unpatch_model`` gives each linear its own storage back. Linears that are not plain
 ``nn.Linear`` of one dtype and device, or that carry hooks, run one by one.
 
@@ -113,10 +115,23 @@ class FusedLinear(nn.Module):
                         setattr(m, name, _parameter_like(p, p.detach().clone()))
 
 
-def _fuse_replaced(fused: FusedLinear, incompatible_keys) -> None:
-    """After ``load_state_dict``: where it replaced the linears' parameters (``assign=True``)
-    rather than copying into them, the fused weight is made from the new ones (it would keep
-    running the old weights, silently)."""
+def fuse_replaced(model: nn.Module) -> None:
+    """Make every fused weight of ``model`` from its linears' parameters again where they were
+    replaced (``load_state_dict(assign=True)`` on a linear, a parameter set by hand); where the
+    new ones cannot share a weight (another dtype or device), run the linears one by one. The
+    engine, ``generate`` and ``new_cache`` call it (``runtime_to_run``); a fused module's load
+    hook does after a load of the whole module."""
+    for module in model.modules():
+        if isinstance(module, FusedLinear):
+            _fuse_replaced(module)
+
+
+def _fuse_replaced(fused: FusedLinear, incompatible_keys=None) -> None:
+    if not fused.fused:
+        return
+    if not fusable(fused.linears):
+        fused.fused, fused.weight, fused.bias = False, None, None
+        return
     for name in ("weight", "bias"):
         whole = getattr(fused, name)
         if whole is None:

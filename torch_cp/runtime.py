@@ -9,6 +9,7 @@ import torch
 
 from torch_cp.attention.backend import AttentionBackend, AttentionGeometry
 from torch_cp.attention.exchange import Exchange
+from torch_cp.fused_linear import fuse_replaced
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.placement import ContextParallel
 from torch_cp.state import LinearGeometry, StatePool
@@ -100,8 +101,11 @@ def runtime_of(model) -> ModelRuntime:
 def runtime_to_run(model) -> ModelRuntime:
     """``runtime_of(model)``, for making pools and running steps: ValueError when the model was
     cast or moved after patching (``patch_model`` sized the pools and built the attention
-    backend for the dtype and device it saw; they would not follow)."""
+    backend for the dtype and device it saw; they would not follow; an engine made before
+    keeps them). Linears whose parameters were replaced are fused again
+    (``fused_linear.fuse_replaced``)."""
     runtime = runtime_of(model)
+    fuse_replaced(model)
     param = next(model.parameters(), None)
     if param is None:
         return runtime
@@ -120,8 +124,9 @@ def runtime_to_run(model) -> ModelRuntime:
 
 
 def _indexed(device: torch.device | str) -> torch.device:
-    """``device`` with its index ("cuda" is the current CUDA device)."""
+    """``device`` as tensors report it: a CUDA device with its index ("cuda" is the current
+    one), any other without one."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return device
+    return device if device.type == "cuda" else torch.device(device.type)  # "cpu:0" is "cpu"

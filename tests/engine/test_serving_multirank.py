@@ -2,7 +2,8 @@
 mode (P = 2), where rank 1 submits nothing and never aborts, stream the same outputs as rank 0,
 the unpatched model's tokens for the requests rank 0 submitted, and record identical partner
 collectives (lockstep). Two requests with the same stop string stop on both ranks, the criterion
-sent to rank 1 once."""
+sent to rank 1 once. Rank 1's own submission (with a stop string) is ignored, and makes no
+criterion there (one that rank 0 dropped raised a KeyError at rank 1's next, helper 62)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def _serve(rank: int, world: int) -> dict:
     ids = []
     if rank == 0:
         ids = [e.submit(p, NEW) for p in PROMPTS] + [e.submit(PROMPTS[0], NEW, **stop)]
+    else:  # ignored: rank 0's submissions reach every rank
+        e.submit(PROMPTS[1], NEW, stop_strings="never\x07", tokenizer=tiny_tokenizer())
     outputs = e.step()
     if rank == 0:
         e.submit(PROMPTS[0], NEW, **stop)
@@ -59,7 +62,7 @@ def _serve(rank: int, world: int) -> dict:
     free = (e.allocator.free_pages, e.allocator.num_pages)
     return dict(outputs=[(o.request_id, o.token_ids, o.finished, o.finish_reason)
                          for o in outputs], records=model.torch_cp.exchange.records, free=free,
-                criteria_received=sum(criteria_received))
+                criteria_received=sum(criteria_received), criteria_kept=len(e._stop_strings))
 
 
 def test_rank_0_decides_and_ranks_stay_in_lockstep():
@@ -81,4 +84,5 @@ def test_rank_0_decides_and_ranks_stay_in_lockstep():
         assert got[rid] == got[0][:at + 1]
         assert [r for i, _, _, r in ranks[0]["outputs"] if i == rid][-1] == "stop"
     assert ranks[1]["criteria_received"] == 1, "the criterion crossed once, for both requests"
+    assert ranks[1]["criteria_kept"] == ranks[0]["criteria_kept"] == 1
     assert all(r["free"][0] == r["free"][1] for r in ranks)

@@ -138,6 +138,13 @@ def test_paths_without_a_checkpoint_are_named(checkpoints, tmp_path):
         torch_cp.from_pretrained(sharded)
 
 
+def test_a_device_named_with_an_index_is_the_device_the_weights_are_on(checkpoints):
+    """``device="cpu:0"``: CPU tensors report "cpu"; the engine's check that the model was not
+    moved after patching took them apart (helper 62)."""
+    model = torch_cp.from_pretrained(checkpoints["qwen3"], device="cpu:0")
+    assert torch_cp.Engine(model, num_pages=8).kv_bytes > 0
+
+
 def test_files_that_are_not_safetensors_are_named_with_the_missing_ones(checkpoints, tmp_path,
                                                                          no_reads):
     """A shard cut in half (an interrupted copy) and another gone: both named in one

@@ -179,6 +179,17 @@ def test_weights_assigned_after_patching_reach_the_fused_gemms():
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.weight.data_ptr() == attn.cp_in.weight.data_ptr()
     assert torch.equal(mlp.cp_gate_up.weight[mlp.gate_proj.out_features:], mlp.up_proj.weight)
+    # Assigned into one linear, or set by hand: no hook of the fused module runs; the engine
+    # fuses them again when it starts (helper 62).
+    new_q = torch.randn_like(attn.q_proj.weight)
+    attn.q_proj.load_state_dict({"weight": new_q}, assign=True)
+    mlp.up_proj.weight = nn.Parameter(torch.randn_like(mlp.up_proj.weight))
+    for module, name in ((want.model.layers[0].self_attn.q_proj, new_q),
+                         (want.model.layers[0].mlp.up_proj, mlp.up_proj.weight)):
+        module.weight = nn.Parameter(name.detach().clone())
+    with torch.no_grad():
+        ref = want.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False)[0, 7:]
+    assert list(torch_cp.generate(model, prompt, 8, progress=False)[0].token_ids) == ref.tolist()
 
 
 def test_fused_parameters_keep_their_attributes():

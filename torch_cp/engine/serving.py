@@ -93,7 +93,9 @@ class Serving:
             problems.append(problem)
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
-        stop = self._stop_strings.number(tokenizer, stop_strings) if stop_strings else None
+        # Another rank's submissions are ignored (rank 0's reach it): it makes no criterion.
+        numbers = bool(stop_strings) and (not self.broadcast or dist.get_rank() == 0)
+        stop = self._stop_strings.number(tokenizer, stop_strings) if numbers else None
         options = _Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
                            logprobs)
         request_id = self._next_id
@@ -177,15 +179,15 @@ class Serving:
         criteria they name that it has not sent before)."""
         pending, self._pending = self._pending, []
         if not self.broadcast or dist.get_rank() == 0:  # the one that numbers the criteria
-            live = {o.stop for o in self._options.values()}
-            live |= {op[4].stop for op in pending if op[0] == "submit"}
-            self._stop_strings.forget_idle(live)
+            self._stop_strings.forget_idle({o.stop for o in self._options.values()} | {
+                op[4].stop for op in pending if op[0] == "submit"})
         changes = self._stop_strings.unsent()
         if self.broadcast:
             box = [(pending, changes)]
             dist.broadcast_object_list(box, src=0)
             pending, changes = box[0]
-            self._stop_strings.learn(changes)
+            if dist.get_rank() != 0:
+                self._stop_strings.learn(changes)
             self._next_id = max([self._next_id] + [p[1] + 1 for p in pending if p[0] == "submit"])
         return pending
 

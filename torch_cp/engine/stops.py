@@ -4,7 +4,9 @@ a number.
 Making a criterion walks the tokenizer's whole vocabulary (0.5-1.3 s for 150k tokens) and the
 result pickles to about 4 MB, while requests mostly share their stop strings. So a criterion is
 made once per (tokenizer, strings), a submission carries only its number, and under torchrun a
-criterion crosses from rank 0 to the other ranks once, with the first step that needs it.
+criterion crosses from rank 0 to the other ranks once, with the first step that needs it. One
+that no live request names is dropped once ``IDLE_KEPT`` others were used after it (made again,
+under a new number, when a request names it again).
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ class StopStrings:
         return unsent
 
     def learn(self, changes: dict[int, object | None]) -> None:
-        """Take rank 0's changes (its numbers win over any this rank made itself)."""
+        """Take rank 0's changes (on the other ranks, which number nothing themselves)."""
         for number, criterion in changes.items():
             if criterion is None:
                 self._criteria.pop(number, None)
             else:
                 self._criteria[number] = criterion
             self._next = max(self._next, number + 1)
+        self._numbers = {k: v for k, v in self._numbers.items() if v[1] in self._criteria}
 
     def __len__(self) -> int:
         return len(self._criteria)
