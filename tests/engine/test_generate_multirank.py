@@ -74,7 +74,17 @@ def _ranks(rank: int, world_size: int):
     model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
     assert model.torch_cp.placement.size == 1 and model.torch_cp.tp == 2
     out["tp, no cp"] = _generate(model)
+    out["disagree"] = [_refusal(model, [[9, 8, 7 - rank]], NEW),  # other prompts on each rank
+                       _refusal(model, [[9, 8, 7]], "x" if rank else NEW)]  # a bad one on rank 1
     return out
+
+
+def _refusal(model, prompts, new) -> str:
+    try:
+        torch_cp.generate(model, prompts, new, progress=False)
+    except ValueError as e:
+        return str(e)
+    return "ran"
 
 
 def _hf_generate(model) -> list[list[int]]:
@@ -124,6 +134,17 @@ def test_sampling_is_identical_on_every_rank(ranks, single, mode):
     # within ~1e-6 of a category boundary would differ, far rarer than these 40 draws.
     assert sampled[0] == single[2]
     assert sampled[0] != single[0], "temperature 1 differs from greedy"
+
+
+def test_ranks_called_with_different_arguments_all_refuse_naming_them(ranks):
+    """Other prompts on each rank gave the same wrong tokens on both, silently; an argument bad
+    on one rank left the other waiting in a collective (helper 65)."""
+    for rank, per_mode in enumerate(ranks):
+        prompts, bad = per_mode["disagree"]
+        assert prompts == ("the ranks called generate with different prompts: every rank must "
+                           "pass the same arguments"), f"rank {rank}"
+        assert "max_new_tokens must be an int or one int a prompt, got 'x'" in bad
+        assert bad.startswith("rank 1: ") == (rank == 0), f"rank {rank}: {bad}"
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

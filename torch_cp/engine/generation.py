@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+from torch_cp.engine.agreement import agree, fingerprint
 from torch_cp.engine.checks import engine_problems, positive_ints
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
@@ -143,8 +144,11 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
         problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
             runtime, prefix_caching=prefix_caching))  # every rank alike: its arguments
-    if problems:
-        raise ValueError("; ".join(problems))
+    agree(runtime, "generate", problems, fingerprint(
+        prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,
+        eos_token_id=eos_token_id, num_pages=num_pages, page_size=page_size,
+        max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs, compile=compile,
+        overlap_planning=overlap_planning, prefix_caching=prefix_caching, stream=stream))
     cap = memory_cap_pages(runtime, page_size, state_pool_bytes(
         runtime, prefix_caching=prefix_caching)) if num_pages is None else None
     lives = [max(n, 1) for n in news]
