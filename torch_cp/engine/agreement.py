@@ -10,8 +10,10 @@ ValueError on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
+import torch
 import torch.distributed as dist
 
 
@@ -32,7 +34,10 @@ def agree(runtime, call: str, problems: list[str], digest: dict[str, str]) -> No
             raise ValueError("; ".join(problems))
         return
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (problems, digest))
+    device = torch.device(runtime.device)
+    # NCCL moves the objects through the current CUDA device: make it this rank's.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(gathered, (problems, digest))
     found = [f"rank {rank}: {'; '.join(p)}" for rank, (p, _) in enumerate(gathered) if p]
     if found:
         raise ValueError(" | ".join(found) if len(found) > 1 or not problems else
