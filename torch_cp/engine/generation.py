@@ -125,7 +125,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
             above, strings or chats without a (chat-capable) tokenizer, a mask that does not
             fit, a padded tensor without its mask, sampling parameters, ``max_new_tokens``
             entries that are not ints, a page size, ``logprobs`` or engine settings that cannot
-            be.
+            be; under torchrun on every rank alike, with the other ranks' problems and the
+            arguments that differ between ranks (every rank passes the same).
     """
     runtime = runtime_to_run(model)
     page_size = runtime.page_size if page_size is None else page_size
