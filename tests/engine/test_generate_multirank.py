@@ -76,6 +76,11 @@ def _ranks(rank: int, world_size: int):
     out["tp, no cp"] = _generate(model)
     out["disagree"] = [_refusal(model, [[9, 8, 7 - rank]], NEW),  # other prompts on each rank
                        _refusal(model, [[9, 8, 7]], "x" if rank else NEW)]  # a bad one on rank 1
+    try:
+        Engine(model, PAGES, PAGE, BUDGET).run([[9, 8, 7 - rank]], NEW)
+        out["disagree"].append("ran")
+    except ValueError as e:
+        out["disagree"].append(str(e))
     return out
 
 
@@ -140,9 +145,10 @@ def test_ranks_called_with_different_arguments_all_refuse_naming_them(ranks):
     """Other prompts on each rank gave the same wrong tokens on both, silently; an argument bad
     on one rank left the other waiting in a collective (helper 65)."""
     for rank, per_mode in enumerate(ranks):
-        prompts, bad = per_mode["disagree"]
+        prompts, bad, engine = per_mode["disagree"]
         assert prompts == ("the ranks called generate with different prompts: every rank must "
                            "pass the same arguments"), f"rank {rank}"
+        assert engine.startswith("the ranks called Engine.run with different prompts")
         assert "max_new_tokens must be an int or one int a prompt, got 'x'" in bad
         assert bad.startswith("rank 1: ") == (rank == 0), f"rank {rank}: {bad}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch_cp.engine.agreement import agree, fingerprint
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Result,
@@ -58,12 +59,17 @@ class BatchRuns:
             raise RuntimeError("requests submitted with Engine.submit are unfinished (or have "
                                "outputs not yet taken): step until has_unfinished() is False "
                                "before Engine.run (an abort() ends a request at the next step)")
-        problem = logprobs_problem(logprobs, vocab_size(self.model))
-        if problem:
-            raise ValueError(problem)
+        problems = list(filter(None, [logprobs_problem(logprobs, vocab_size(self.model))]))
+        try:
+            news = new_tokens_per_request(max_new_tokens, len(prompts))
+        except ValueError as e:
+            problems.append(str(e))
+            news = None
+        agree(self.runtime, "Engine.run", problems, fingerprint(
+            prompts=[list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
+            eos_token_ids=sorted(eos_token_ids), logprobs=logprobs))
         warn_ignored_sampling(sampling)
         self._ahead = self._inflight = None  # request indices restart with every run
-        news = new_tokens_per_request(max_new_tokens, len(prompts))
         capacity = self.allocator.num_pages * self.page_size
         requests, results = make_requests(prompts, news, vocab_size(self.model), capacity)
         warn_past_positions(self.model, requests)
