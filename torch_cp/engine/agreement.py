@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,10 +24,11 @@ def fingerprint(**arguments) -> dict[str, str]:
             for name, value in arguments.items()}
 
 
-def agree(runtime, call: str, problems: list[str], digest: dict[str, str]) -> None:
+def agree(runtime, call: str, problems: list[str], digest: Callable[[], dict[str, str]]
+          ) -> None:
     """Raise on every rank a step of ``runtime`` spans: a ValueError naming every rank's
-    ``problems``, or the arguments of ``call`` whose ``digest`` differs between ranks. On one
-    rank (or ranks that each run alone), ``problems`` only."""
+    ``problems``, or the arguments of ``call`` whose ``digest()`` (made only then) differs
+    between ranks. On one rank (or ranks that each run alone), ``problems`` only."""
     spans = (runtime.spans_ranks and dist.is_available() and dist.is_initialized()
              and dist.get_world_size() > 1)
     if not spans:
@@ -37,12 +39,13 @@ def agree(runtime, call: str, problems: list[str], digest: dict[str, str]) -> No
     device = torch.device(runtime.device)
     # NCCL moves the objects through the current CUDA device: make it this rank's.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        dist.all_gather_object(gathered, (problems, digest))
+        dist.all_gather_object(gathered, (problems, digest()))
     found = [f"rank {rank}: {'; '.join(p)}" for rank, (p, _) in enumerate(gathered) if p]
     if found:
         raise ValueError(" | ".join(found) if len(found) > 1 or not problems else
                          "; ".join(problems))
-    differ = sorted(name for name in digest if len({d.get(name) for _, d in gathered}) > 1)
+    differ = sorted(name for name in gathered[0][1]
+                    if len({d.get(name) for _, d in gathered}) > 1)
     if differ:
         raise ValueError(f"the ranks called {call} with different {', '.join(differ)}: every "
                          f"rank must pass the same arguments")

@@ -65,7 +65,7 @@ class BatchRuns:
         except ValueError as e:
             problems.append(str(e))
             news = None
-        agree(self.runtime, "Engine.run", problems, fingerprint(
+        agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
             prompts=[list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
             eos_token_ids=sorted(eos_token_ids), logprobs=logprobs))
         warn_ignored_sampling(sampling)

@@ -145,7 +145,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
         problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
             runtime, prefix_caching=prefix_caching))  # every rank alike: its arguments
-    agree(runtime, "generate", problems, fingerprint(
+    agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,
         eos_token_id=eos_token_id, num_pages=num_pages, page_size=page_size,
         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs, compile=compile,
