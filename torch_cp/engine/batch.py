@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch_cp.engine.agreement import agree, fingerprint
+from torch_cp.engine.checks import checked
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Result,
@@ -60,14 +61,18 @@ class BatchRuns:
                                "outputs not yet taken): step until has_unfinished() is False "
                                "before Engine.run (an abort() ends a request at the next step)")
         problems = list(filter(None, [logprobs_problem(logprobs, vocab_size(self.model))]))
-        try:
-            news = new_tokens_per_request(max_new_tokens, len(prompts))
-        except ValueError as e:
-            problems.append(str(e))
-            news = None
+        news = checked(problems, new_tokens_per_request, max_new_tokens, len(prompts))
         agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
             prompts=[list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
             eos_token_ids=sorted(eos_token_ids), logprobs=logprobs))
+        return self.run_agreed(prompts, news, sampling, eos_token_ids, progress, tokenizer,
+                               logprobs)
+
+    def run_agreed(self, prompts: Sequence[Sequence[int]], news: list[int],
+                   sampling: SamplingParams, eos_token_ids: Sequence[int], progress: bool,
+                   tokenizer, logprobs: int | None) -> list[Result]:
+        """``run_tokens`` once its arguments are checked and every rank agrees on them
+        (``torch_cp.generate`` checks them itself, on a fresh engine)."""
         warn_ignored_sampling(sampling)
         self._ahead = self._inflight = None  # request indices restart with every run
         capacity = self.allocator.num_pages * self.page_size

@@ -16,6 +16,15 @@ def positive_ints(*values, none: bool = False) -> bool:
     return all((none and v is None) or _positive_int(v) for v in values)
 
 
+def checked(problems: list[str], make, *args):
+    """``make(*args)``, or None with its ValueError's message added to ``problems``."""
+    try:
+        return make(*args)
+    except ValueError as e:
+        problems.append(str(e))
+        return None
+
+
 def _bucket_problems(mixed_buckets) -> list[str]:
     """Why ``mixed_buckets`` are not (rows, tokens) shapes with tokens > rows >= 1."""
     try:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from torch_cp.engine.agreement import agree, fingerprint
-from torch_cp.engine.checks import engine_problems, positive_ints
+from torch_cp.engine.checks import checked, engine_problems, positive_ints
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import (
@@ -131,10 +131,10 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     runtime = runtime_to_run(model)
     page_size = runtime.page_size if page_size is None else page_size
     problems = []  # every one named at once, before anything is allocated
-    sampling = _checked(problems, SamplingParams, temperature, top_k, top_p, seed)
-    token_prompts = _checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
+    sampling = checked(problems, SamplingParams, temperature, top_k, top_p, seed)
+    token_prompts = checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
                              pad_token_ids(model, tokenizer))
-    news = _checked(problems, new_tokens_per_request, max_new_tokens,
+    news = checked(problems, new_tokens_per_request, max_new_tokens,
                     None if token_prompts is None else len(token_prompts))
     problems += filter(None, [logprobs_problem(logprobs, vocab_size(model))])
     problems += engine_problems(
@@ -145,11 +145,13 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
         problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
             runtime, prefix_caching=prefix_caching))  # every rank alike: its arguments
+    eos = eos_ids(model, eos_token_id, tokenizer)
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,
-        eos_token_id=eos_token_id, num_pages=num_pages, page_size=page_size,
-        max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs, compile=compile,
-        overlap_planning=overlap_planning, prefix_caching=prefix_caching, stream=stream))
+        eos_token_id=eos_token_id, eos_token_ids=sorted(eos), num_pages=num_pages,
+        page_size=page_size, max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
+        compile=compile, overlap_planning=overlap_planning, prefix_caching=prefix_caching,
+        stream=stream))
     cap = memory_cap_pages(runtime, page_size, state_pool_bytes(
         runtime, prefix_caching=prefix_caching)) if num_pages is None else None
     lives = [max(n, 1) for n in news]
@@ -159,7 +161,6 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
                         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
                         compile=compile, overlap_planning=overlap_planning, progress=progress,
                         prefix_caching=prefix_caching)
-    eos = eos_ids(model, eos_token_id, tokenizer)
     if stream:  # the warnings run() gives
         warn_ignored_sampling(sampling)
         warn_past_positions(model, [Request(i, p, n) for i, (p, n) in
@@ -167,7 +168,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         for prompt, new in zip(token_prompts, news):
             engine.submit(prompt, new, sampling, stop_token_ids=eos, logprobs=logprobs)
         return engine.stream()
-    results = engine.run_tokens(token_prompts, news, sampling, eos, progress, tokenizer,
+    # Agreed above, on a fresh engine: not again (run_tokens would gather once more).
+    results = engine.run_agreed(token_prompts, news, sampling, eos, progress, tokenizer,
                                 logprobs)
     if cap is None:
         return results
@@ -181,11 +183,3 @@ def _never_fits(result: Result, cap: int, page_size: int) -> Result:
            f"({cap * page_size} tokens)")
     return dataclasses.replace(result, error=result.error + why)
 
-
-def _checked(problems: list[str], make, *args):
-    """``make(*args)``, or None with its ValueError's message added to ``problems``."""
-    try:
-        return make(*args)
-    except ValueError as e:
-        problems.append(str(e))
-        return None
