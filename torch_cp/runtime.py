@@ -98,6 +98,15 @@ def runtime_of(model) -> ModelRuntime:
     return runtime
 
 
+def model_dtype_device(model) -> tuple[torch.dtype | None, torch.device | None]:
+    """The dtype and device ``patch_model`` sizes pools for (its first parameter's; the model's
+    own ``dtype`` where it has one); Nones for a model without parameters."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return None, None
+    return getattr(model, "dtype", param.dtype), param.device
+
+
 def runtime_to_run(model) -> ModelRuntime:
     """``runtime_of(model)``, for making pools and running steps: ValueError when the model was
     cast or moved after patching (``patch_model`` sized the pools and built the attention
@@ -106,10 +115,9 @@ def runtime_to_run(model) -> ModelRuntime:
     (``fused_linear.fuse_replaced``)."""
     runtime = runtime_of(model)
     fuse_replaced(model)
-    param = next(model.parameters(), None)
-    if param is None:
+    dtype, device = model_dtype_device(model)
+    if dtype is None:
         return runtime
-    dtype, device = getattr(model, "dtype", param.dtype), param.device
     problems = []
     if dtype != runtime.dtype:
         problems.append(f"cast to {dtype}")

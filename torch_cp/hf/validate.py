@@ -17,6 +17,7 @@ from torch_cp.layers import attention_modules, decoder_mlps, linear_modules
 from torch_cp.mesh import AXES, context_parallel_problems, mesh_world_problems
 from torch_cp.models import Family, family_for
 from torch_cp.placement import ContextParallel, page_size_problems
+from torch_cp.runtime import model_dtype_device
 from torch_cp.state.kernels import fla_available
 from torch_cp.tp import mlp_problems
 
@@ -42,13 +43,6 @@ class PatchSettings:
     sp: int
     dtype: torch.dtype
     device: torch.device
-
-
-def _model_dtype_device(model: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
-    param = next(model.parameters(), None)
-    if param is None:
-        return None, None
-    return getattr(model, "dtype", param.dtype), param.device
 
 
 def backend_problems(name: str, family: Family | None, config, dtype: torch.dtype | None,
@@ -189,7 +183,7 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
     if mode not in MODES:
         problems.append(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     problems += page_size_problems(page_size, 1)
-    dtype, param_device = _model_dtype_device(model)
+    dtype, param_device = model_dtype_device(model)
     if device is None and param_device is not None and param_device.type == "meta":
         problems.append("the model's weights are on the meta device: load them before patching "
                         "(torch_cp.from_pretrained loads and patches a checkpoint)")
