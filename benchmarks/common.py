@@ -89,6 +89,22 @@ def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
     return block, warps, per_sm, (rest[0] or None) if rest else None
 
 
+LINEARS_HELP = ("a one-token linear's kernel in compiled steps: 'gemv' (torch_cp.gemv, the "
+                "default) or 'cublas' (F.linear)")
+
+
+def apply_linears(choice: str | None) -> str:
+    """Set torch_cp's one-token linears from ``--linears`` (``LINEARS_HELP``) and return what
+    the results record."""
+    from torch_cp import gemv
+
+    if choice not in (None, "gemv", "cublas"):
+        raise SystemExit(f"--linears: {LINEARS_HELP}; got {choice!r}")
+    if choice:
+        gemv.ENABLED = choice == "gemv"
+    return "gemv" if gemv.ENABLED else "cublas"
+
+
 def apply_decode_kernel(spec: str | None) -> str:
     """Set torch_cp's GQA decode kernel from ``--decode-kernel`` (``DECODE_KERNEL_HELP``) and
     return what the results record."""

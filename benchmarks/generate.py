@@ -48,10 +48,12 @@ import torch_cp
 from benchmarks import models, peers
 from benchmarks.common import (
     DECODE_KERNEL_HELP,
+    LINEARS_HELP,
     Budget,
     Results,
     apply_decode_kernel,
     apply_inductor_settings,
+    apply_linears,
     copy_bandwidth,
     free_cuda,
     run_header,
@@ -355,6 +357,7 @@ def main(argv=None) -> int:
                          "'max_autotune=True,coordinate_descent_tuning=True'): torch_cp's layers "
                          "and the peers' compiled forwards alike")
     ap.add_argument("--decode-kernel", help=DECODE_KERNEL_HELP)
+    ap.add_argument("--linears", choices=("gemv", "cublas"), help=LINEARS_HELP)
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed calls of each torch_cp and hf_static cell, the fastest kept "
                          "(every wall time in walls_s): the run-to-run spread out of a ratio")
@@ -363,6 +366,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     inductor = apply_inductor_settings(args.inductor)
     decode_kernel = apply_decode_kernel(args.decode_kernel)
+    linears = apply_linears(args.linears)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -372,6 +376,7 @@ def main(argv=None) -> int:
     results.data["experts"] = args.experts
     results.data["inductor"] = inductor
     results.data["decode_kernel"] = decode_kernel
+    results.data["linears"] = linears
     copy_bw = copy_bandwidth(device)
     results.data["copy_tb_s"] = copy_bw / 1e12
     results.data["versions"]["flash-linear-attention"] = fla_version()

@@ -23,8 +23,10 @@ import torch_cp
 from benchmarks import models
 from benchmarks.common import (
     DECODE_KERNEL_HELP,
+    LINEARS_HELP,
     apply_decode_kernel,
     apply_inductor_settings,
+    apply_linears,
     kernel_times,
     run_header,
     sync,
@@ -163,6 +165,7 @@ def main() -> None:
                    help="the rows' input tokens: one id for all (a MoE step routes every row to "
                         "the same experts) or a different id a row (routing spread as in serving)")
     p.add_argument("--decode-kernel", help=DECODE_KERNEL_HELP)
+    p.add_argument("--linears", choices=("gemv", "cublas"), help=LINEARS_HELP)
     p.add_argument("--inductor", default="",
                    help="torch._inductor.config settings, 'name=value,...' (with --compile)")
     args = p.parse_args()
@@ -170,6 +173,7 @@ def main() -> None:
     device = torch.device("cuda")
     model = models.build(args.model, device, torch.bfloat16)
     decode_kernel = apply_decode_kernel(args.decode_kernel)
+    linears = apply_linears(args.linears)
     torch_cp.patch_model(model, backend="flashinfer", page_size=PAGE)
     width = -(-(args.context + 1) // PAGE)
     start = time.perf_counter()
@@ -197,7 +201,7 @@ def main() -> None:
         gaps = dict(error=repr(error))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
                compiled=args.compile, tokens=args.tokens,
-               decode_kernel=decode_kernel, inductor=inductor,
+               decode_kernel=decode_kernel, linears=linears, inductor=inductor,
                setup_s=setup_s,
                host_phases_ms=host,
                step_ms=step_ms, replay_only_ms=replay_ms, kernel_ms=kernel_ms,

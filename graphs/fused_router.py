@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import nn
 from torch.nn import functional as F
 
+from torch_cp import gemv
 from torch_cp.graphs.experts import moe_blocks
 from torch_cp.layers import forward_source
 
@@ -227,7 +228,7 @@ def fused_forward(router: nn.Module):
             logits = F.linear(x.float(), router.weight.float())
             weights, ids = route(routing, logits, router.e_score_correction_bias)
         else:
-            logits = F.linear(x, router.weight)
+            logits = gemv.linear(x, router.weight)
             weights, ids = route(routing, logits)
         return logits, weights, ids
 

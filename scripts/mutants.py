@@ -127,9 +127,9 @@ MUTANTS = [
            (T + "engine/test_sampling.py",)),
     # TP sharding
     Mutant("tp-bias-on-every-rank", "torch_cp/tp.py",
-           "out = compat.sum_over(F.linear(x, self.weight), self.group)\n"
+           "out = compat.sum_over(gemv.linear(x, self.weight), self.group)\n"
            "        return out if self.bias is None else out + self.bias",
-           "return compat.sum_over(F.linear(x, self.weight, self.bias), self.group)", TP),
+           "return compat.sum_over(gemv.linear(x, self.weight, self.bias), self.group)", TP),
     Mutant("tp-experts-gate-up", "torch_cp/tp.py", "gate_up = torch.cat([mine, inter + mine])",
            "gate_up = torch.cat([mine, mine])", TP),
     Mutant("tp-one-kv-head-per-rank", "models/gqa.py",

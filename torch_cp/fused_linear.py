@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from torch_cp import gemv
 from torch_cp.layers import forward_source
 
 # The input projections of the modules torch_cp's families run, in the order their forwards
@@ -90,7 +90,7 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.fused:
             return tuple(m(x) for m in self.linears)
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return gemv.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
     def _apply(self, fn, recurse=True):
         """``model.to`` / ``.cuda()`` / ``.half()`` after patching: each part was converted apart

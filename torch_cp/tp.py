@@ -27,10 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torch_cp import compat
+from torch_cp import compat, gemv
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +118,7 @@ class RowParallel(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = compat.sum_over(F.linear(x, self.weight), self.group)
+        out = compat.sum_over(gemv.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

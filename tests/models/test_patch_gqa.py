@@ -29,6 +29,7 @@ from driver import (
     tiny_config,
     tiny_model,
 )
+from torch import nn
 
 import torch_cp
 from torch_cp.models import SUPPORTED_MODEL_TYPES
@@ -85,7 +86,7 @@ def storage_bytes(model) -> int:
 def test_patch_uses_the_models_own_weights():
     """Patching copies no weight: the linears that read one input share one storage
     (fused_linear.py), the rest keep theirs, the values and the bytes held are the same; unpatching
-    gives the fused linears their own storage back."""
+    gives the fused linears their own storage back and the linears their own forwards."""
     model = tiny_model("qwen3")
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
     held = storage_bytes(model)
@@ -101,8 +102,12 @@ def test_patch_uses_the_models_own_weights():
     assert attn.q_proj.weight.untyped_storage().data_ptr() == \
         attn.cp_in.weight.untyped_storage().data_ptr() == \
         attn.v_proj.weight.untyped_storage().data_ptr()
+    mlp = model.model.layers[0].mlp
+    assert "forward" in attn.o_proj.__dict__ and "forward" in mlp.down_proj.__dict__  # gemv.py
+    assert "forward" not in model.lm_head.__dict__
     torch_cp.unpatch_model(model)
     assert attn.q_proj.weight.untyped_storage().nbytes() == attn.q_proj.weight.nbytes
+    assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
     for k, (_, value) in before.items():
         torch.testing.assert_close(model.state_dict()[k], value, atol=0, rtol=0)
 

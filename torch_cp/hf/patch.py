@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from torch_cp import gemv
 from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
@@ -122,6 +123,9 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
         mlp.forward = fuse_gate_up(mlp)
     if experts_modules(model):
         register_fused(s.device)  # so "torch_cp_fused" can be set by name
+    for linear in gemv.plain_linears(model):
+        runtime.originals.append((linear, linear.__dict__.get("forward", _ABSENT)))
+        linear.forward = gemv.forward_of(linear)
     for router, forward in kernel_routers(model, s.device):
         runtime.originals.append((router, router.__dict__.get("forward", _ABSENT)))
         router.forward = forward

@@ -1,0 +1,72 @@
+"""The one-token linear (torch_cp/gemv.py) against ``F.linear`` in float32. Without CUDA the
+kernel runs in Triton's interpreter (tests/conftest.py).
+
+Tolerance: the kernel sums in float32 (in another order than the reference: ~1e-6 relative)
+and rounds once to the output dtype, so each output is within one ulp of the float32 result:
+2**-7 relative in bf16, 2**-10 in fp16 (round to nearest gives half that; Triton's interpreter
+truncates). A wrong row, column, bias or tail slice would miss it by far more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+pytest.importorskip("triton", reason="the kernel is Triton (CPU: its interpreter)")
+from torch_cp import gemv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+
+@pytest.mark.parametrize("n, k, bias, dtype", [
+    (13, 100, True, torch.bfloat16),   # rows and input not multiples of the tile
+    (16, 2048, False, torch.float16),  # two input slices
+    (40, 1536, True, torch.bfloat16),  # a partial last slice
+])
+def test_one_token_equals_the_float32_linear(n, k, bias, dtype):
+    torch.manual_seed(0)
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    x = torch.randn(1, 1, k, device=DEVICE).to(dtype)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = gemv.one_token(x, w, b)
+    assert got.shape == (1, 1, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=ULP[dtype],
+                               atol=1e-5 * want.abs().max().item())
+
+
+def test_linear_is_f_linear_outside_compiled_code():
+    """Eagerly (a Triton launch costs host time), for several tokens and for float32 the
+    dispatcher gives ``F.linear``'s result bit for bit."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 64, device=DEVICE, dtype=torch.bfloat16)
+    for x in (torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16),
+              torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)):
+        assert not gemv.applies(x, w)
+        torch.testing.assert_close(gemv.linear(x, w), F.linear(x, w), atol=0, rtol=0)
+    x32, w32 = torch.randn(1, 64, device=DEVICE), torch.randn(24, 64, device=DEVICE)
+    torch.testing.assert_close(gemv.linear(x32, w32), F.linear(x32, w32), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_compiled_linears_run_the_kernel_for_one_token():
+    """On CUDA compiled code takes the kernel for one token (its output within an ulp of
+    float32, where cuBLAS's differs by its own order) and cuBLAS for two."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    w = (torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    compiled = torch.compile(gemv.linear, fullgraph=True)
+    compiled(x, w)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = compiled(x, w)
+        torch.cuda.synchronize()
+    assert any("_gemv" in e.key for e in prof.key_averages())
+    torch.testing.assert_close(got.float(), want, rtol=ULP[torch.bfloat16],
+                               atol=1e-5 * want.abs().max().item())
+    two = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(compiled(two, w), F.linear(two, w), atol=0, rtol=0)
