@@ -4,10 +4,11 @@ out of L2, against the copy roofline of the weight's bytes.
 
 cuBLAS reads the weights of a batch-1 step at 63-78 % of the copy bandwidth where they are
 small or K is long (Qwen3-8B's o and down: run 59's profile), and a step is mostly those reads.
-Here each program reduces a ``rows x K / split`` strip in one pass (no loop when it fits), so a
-weight becomes hundreds of independent loads in flight; a split's partial sums go to a float32
-scratch and the last program of a row block to finish (an atomic ticket) sums them in a fixed
-order, so the result is deterministic and the linear stays one kernel.
+Here each program reduces a ``rows x K / split`` strip, so a weight becomes hundreds of
+independent loads in flight; a split's partial sums go to a float32 scratch and the last program
+of a row block to finish (an atomic ticket) sums them in a fixed order, so the result is
+deterministic and the linear stays one kernel. The sweep's rows beside cuBLAS: "torch_cp",
+``torch_cp.gemv.one_token`` at its own tile (split 1, which won every shape of run 102).
 
     python -m benchmarks.gemv --out benchmarks/results/gemv.json
 """
@@ -24,6 +25,7 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table
+from torch_cp import gemv
 
 SHAPES = {  # name: (out features N, in features K)
     "qwen3_8b_qkv": (6144, 4096), "qwen3_8b_o": (4096, 4096),
@@ -154,7 +156,8 @@ def main() -> None:
         case = dict(shape=name, n=n, k=k, roofline_us=roof_us)
         rows = []
         for label, fn in (("cublas_linear", lambda w, x=x: F.linear(x[None], w)),
-                          ("cublas_mv", lambda w, x=x: torch.mv(w, x))):
+                          ("cublas_mv", lambda w, x=x: torch.mv(w, x)),
+                          ("torch_cp", lambda w, x=x: gemv.one_token(x, w))):
             us = graph_time_ms(cycled(fn, weights), device, iters=200, per_graph=4 * copies) * 1e3
             rows.append(results.add(kernel=label, us=us, **case))
         grid = itertools.product(ints(args.bn), ints(args.bk), ints(args.splits),
@@ -179,18 +182,20 @@ def main() -> None:
         for r in rows:
             r["x_roof"] = r["us"] / roof_us
         best = [r for r in rows if r["kernel"].startswith("triton")][:args.top]
-        cublas = [r for r in rows if r["kernel"].startswith("cublas")]
+        cublas = [r for r in rows if not r["kernel"].startswith("triton")]
         print(f"\n{name} ({n} x {k}, {nbytes / 1e6:.1f} MB, roofline {roof_us:.2f} us)")
         print(table(cublas + best, ["kernel", "bn", "bk", "split", "warps", "stages", "us",
                                     "x_roof"]))
         summary.append(dict(shape=name, roofline_us=roof_us,
-                            cublas_us=min(r["us"] for r in cublas),
+                            cublas_us=min(r["us"] for r in cublas if r["kernel"] != "torch_cp"),
+                            torch_cp_us=next(r["us"] for r in cublas
+                                             if r["kernel"] == "torch_cp"),
                             triton_us=best[0]["us"] if best else None,
                             tile=best[0] and {f: best[0][f] for f in
                                               ("bn", "bk", "split", "warps", "stages")}))
         del weights
     print("\nsummary")
-    print(table(summary, ["shape", "roofline_us", "cublas_us", "triton_us"]))
+    print(table(summary, ["shape", "roofline_us", "cublas_us", "torch_cp_us", "triton_us"]))
     results.data["summary"] = summary
     results.save()
 

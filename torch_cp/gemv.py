@@ -6,7 +6,7 @@ the copy bandwidth where the weight is small or its rows long. Run 102 (one H200
 this kernel: Qwen3-8B's o 13.1 / 10.6 and down 30.3 / 25.3 (roofline 7.9 and 23.8), q/k/v
 15.0 / 14.6, gate/up 48.1 / 47.2; Qwen3-30B-A3B's o 9.4 / 7.4, q/k/v 7.9 / 7.7, router 4.8 / 2.5.
 
-Each program sums ``ROWS`` rows of the weight over the whole input in ``BLOCK_K`` slices, in
+Each program sums ``ROWS`` rows of the weight over the whole input in slices (``TILE``), in
 float32, as cuBLAS does, then adds the bias and rounds once; so a weight is read as hundreds of
 independent strips. (Splitting the input dimension over programs, with the last program to
 finish summing the parts in a fixed order, was slower at every shape of run 102.)
@@ -29,8 +29,13 @@ from torch.nn import functional as F
 from torch_cp.layers import decoder_layers
 
 ROWS = 8  # weight rows a program sums
-BLOCK_K = 1024  # input features a program reads at a time
-WARPS = 8
+# (input features a program reads at a time, warps): at most 4096 rows the wider slice keeps
+# more bytes in flight from the fewer programs (Qwen3-8B's o 10.6 against 11.7 us, down 25.3
+# against 29.4); from WIDE_ROWS rows (640 programs, about five an H200 SM) the narrower one is
+# as fast or faster (q/k/v 14.6 against 15.1, gate/up 47.6 against 48.5; run 102).
+TILE = (1024, 8)
+WIDE_TILE = (512, 4)
+WIDE_ROWS = 5120
 ENABLED = True  # off: every linear through F.linear (benchmarks time cuBLAS beside it)
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -68,11 +73,12 @@ def one_token(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block_k = min(BLOCK_K, triton.next_power_of_2(k))
+    block_k, warps = WIDE_TILE if n >= WIDE_ROWS else TILE
+    block_k = min(block_k, triton.next_power_of_2(k))
     _gemv[(triton.cdiv(n, ROWS),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, ROWS=ROWS, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=WARPS)
+        num_warps=warps)
     return out
 
 

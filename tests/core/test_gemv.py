@@ -20,12 +20,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-@pytest.mark.parametrize("n, k, bias, dtype", [
-    (13, 100, True, torch.bfloat16),   # rows and input not multiples of the tile
-    (16, 2048, False, torch.float16),  # two input slices
-    (40, 1536, True, torch.bfloat16),  # a partial last slice
+@pytest.mark.parametrize("n, k, bias, dtype, wide", [
+    (13, 100, True, torch.bfloat16, False),   # rows and input not multiples of the tile
+    (16, 2048, False, torch.float16, False),  # two input slices
+    (40, 1536, True, torch.bfloat16, False),  # a partial last slice
+    (44, 1300, True, torch.bfloat16, True),   # the wide weights' tile, three slices
 ])
-def test_one_token_equals_the_float32_linear(n, k, bias, dtype):
+def test_one_token_equals_the_float32_linear(monkeypatch, n, k, bias, dtype, wide):
+    monkeypatch.setattr(gemv, "WIDE_ROWS", 16 if wide else 1 << 30)
     torch.manual_seed(0)
     w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
