@@ -2,8 +2,9 @@
 tokens of P = 1 and of the unpatched model, sampling agrees on every rank, each rank holds half
 the KV bytes, and planning each step ahead changes nothing; TP over 2 ranks without context
 parallelism (P = 1) gives the same tokens with the KV head copied; model.generate of a
-left-padded batch at P = 2 gives the unpatched model's tokens. The ranks are spawned once for
-the module; every case runs inside them."""
+left-padded batch at P = 2 gives the unpatched model's tokens; ranks that patch, build an
+engine or call generate or model.generate differently all raise the same ValueError. The ranks
+are spawned once for the module; every case runs inside them."""
 
 from __future__ import annotations
 
@@ -81,6 +82,56 @@ def _ranks(rank: int, world_size: int):
         out["disagree"].append("ran")
     except ValueError as e:
         out["disagree"].append(str(e))
+    out["refusals"] = _refusals(rank)
+    return out
+
+
+def _raised(call, *args, **kwargs) -> str:
+    """The ValueError ``call`` raised, else "ran"."""
+    try:
+        call(*args, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def _refusals(rank: int) -> dict[str, str]:
+    """What each rank raises when the ranks patch, build an engine or call ``model.generate``
+    with arguments that differ, or that are bad (or do not fit) on rank 1 only. Each gather
+    keeps the ranks in step: the last call, agreed, runs."""
+    from torch_cp.engine import memory
+
+    mesh = init_mesh(tp=2, sp=1, device_type="cpu")
+
+    def patch(model, **kwargs):
+        return torch_cp.patch_model(model, mesh=mesh, **{"context_parallel": True,
+                                                         "page_size": PAGE, **kwargs})
+    out = {"patch context_parallel": _raised(patch, tiny_qwen3(), context_parallel=rank == 0),
+           "patch page_size bad": _raised(patch, tiny_qwen3(), page_size=3 if rank else PAGE),
+           "patch dtype": _raised(patch, tiny_qwen3(dtype=torch.bfloat16 if rank else
+                                                    torch.float32)),
+           "patch config": _raised(patch, tiny_qwen3(num_hidden_layers=2 + rank))}
+    model = patch(tiny_qwen3())
+    out["Engine max_rows"] = _raised(Engine, model, PAGES, PAGE, max_rows=4 + rank)
+    out["Engine max_rows bad"] = _raised(Engine, model, PAGES, PAGE, max_rows=0 if rank else 4)
+    free = memory.free_host_bytes
+    memory.free_host_bytes = (lambda: 0) if rank else free  # rank 1 has no memory to spare
+    try:
+        out["Engine pool does not fit"] = _raised(Engine, model, PAGES, PAGE)
+    finally:
+        memory.free_host_bytes = free
+    # A bad num_pages on one rank met the others' pool-fit all_reduce with its gather: a hang.
+    out["generate num_pages bad"] = _raised(torch_cp.generate, model, [[9, 8, 7]], NEW,
+                                            num_pages=0 if rank else PAGES, progress=False)
+    ids = torch.tensor([[9, 8, 7]])
+    out["model.generate inputs"] = _raised(model.generate, ids + rank, max_new_tokens=NEW,
+                                           do_sample=False)
+    out["model.generate max_new_tokens"] = _raised(model.generate, ids, do_sample=False,
+                                                   max_new_tokens=NEW + rank)
+    model.generation_config.max_new_tokens = NEW + rank
+    out["model.generate generation_config"] = _raised(model.generate, ids, do_sample=False)
+    model.generation_config.max_new_tokens = NEW
+    out["agreed"] = model.generate(ids, do_sample=False)[0].tolist()
     return out
 
 
@@ -151,6 +202,41 @@ def test_ranks_called_with_different_arguments_all_refuse_naming_them(ranks):
         assert engine.startswith("the ranks called Engine.run with different prompts")
         assert "max_new_tokens must be an int or one int a prompt, got 'x'" in bad
         assert bad.startswith("rank 1: ") == (rank == 0), f"rank {rank}: {bad}"
+
+
+DIFFERENT = "the ranks called {} with different {}: every rank must pass the same arguments"
+
+
+def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ranks):
+    """Before their gathers, a rank patched otherwise hung (other context_parallel), died in
+    gloo (another dtype) or gave wrong tokens; an Engine of other max_rows or prefix_caching
+    hung or died; model.generate of other inputs gave the same wrong tokens on both, silently,
+    and of other lengths died; a problem on rank 1 alone (a bad page size or max_rows, a pool
+    its free memory cannot hold) left rank 0 in its next collective."""
+    for rank, per_mode in enumerate(ranks):
+        got = per_mode["refusals"]
+        for key, call, named in [
+                ("patch context_parallel", "patch_model", "context_parallel"),
+                ("patch dtype", "patch_model", "dtype"),
+                ("patch config", "patch_model", "config"),
+                ("Engine max_rows", "Engine(...)", "max_rows"),
+                ("model.generate inputs", "model.generate", "inputs"),
+                ("model.generate max_new_tokens", "model.generate", "max_new_tokens"),
+                ("model.generate generation_config", "model.generate",
+                 "model.generation_config")]:
+            assert got[key] == DIFFERENT.format(call, named), f"rank {rank}: {key}"
+        for key, problem in [
+                ("patch page_size bad", "cannot patch the model:\n  - page_size 3 is not a "
+                                        "multiple of P = 2"),
+                ("Engine max_rows bad", "invalid engine: max_rows must be a positive int or "
+                                        "None, got 0"),
+                ("Engine pool does not fit", f"invalid engine: num_pages {PAGES} need "),
+                ("generate num_pages bad", "num_pages must be a positive int, got 0")]:
+            assert got[key].startswith("rank 1: " + problem if rank == 0 else problem), (
+                f"rank {rank}: {key}: {got[key]}")
+        assert got["Engine pool does not fit"].endswith("the free memory holds at most 0 pages")
+    assert ranks[0]["refusals"]["agreed"] == ranks[1]["refusals"]["agreed"]
+    assert len(ranks[0]["refusals"]["agreed"]) == 3 + NEW
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

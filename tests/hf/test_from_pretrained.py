@@ -112,6 +112,8 @@ def _measure_memory(rank: int, mesh, paths: dict[str, str]) -> dict:
     if rank == 0:
         _whole(paths["qwen3"])
         model, peak = _peak_of(lambda: _whole(paths["big"]))
+        for name in ("qwen3", "big"):  # rank 1's loads: every rank of the mesh makes them
+            torch_cp.from_pretrained(paths[name], mesh=mesh)
         return dict(whole=peak, bytes=sum(p.nbytes for p in model.parameters()))
     torch_cp.from_pretrained(paths["qwen3"], mesh=mesh)
     _, peak = _peak_of(lambda: torch_cp.from_pretrained(paths["big"], mesh=mesh))
@@ -146,7 +148,27 @@ def _run_cases(rank: int, world: int, cases: list[Case], paths: dict[str, str]) 
             bytes=sum(p.nbytes for p in mine.values()),
             tied=model.lm_head.weight is model.model.embed_tokens.weight,
             mode=placement.mode, partners=placement.size, dtype=model.dtype)
+    if world == 2:
+        results["refusals"] = _refusals(rank, paths)
     return results
+
+
+def _refusals(rank: int, paths: dict[str, str]) -> dict[str, str]:
+    """What each rank raises when the ranks load with another page size, another checkpoint,
+    or a path only rank 0 has (each refused before any weight is read)."""
+    mesh = torch_cp.init_mesh(tp=2, device_type="cpu")
+    out = {}
+    for key, path, page_size in [
+            ("page_size", paths["qwen3"], PAGE_SIZE * (1 + rank)),
+            ("checkpoint", paths["qwen3_next" if rank else "qwen3"], PAGE_SIZE),
+            ("missing", paths["qwen3"] + ("-missing" if rank else ""), PAGE_SIZE)]:
+        try:
+            torch_cp.from_pretrained(path, mesh=mesh, context_parallel=True, page_size=page_size,
+                                     dtype=torch.float32)
+            out[key] = "ran"
+        except ValueError as e:
+            out[key] = str(e)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +217,18 @@ def test_a_tp_rank_peaks_at_about_its_shard(ranks):
     measured = json.dumps({k: f"{v / 2**20:.1f} MB" for k, v in (whole | sharded).items()})
     assert sharded["sharded"] < RATIO * whole["whole"], measured
     assert sharded["sharded"] < RATIO * whole["bytes"], measured
+
+
+@pytest.mark.slow
+def test_ranks_that_load_differently_all_refuse(ranks):
+    """Ranks loading with other settings or checkpoints went on to hang or die in their
+    collectives, and a rank without the checkpoint left the others waiting: now every rank
+    raises, naming what differs or rank 1's problem."""
+    for rank, results in enumerate(ranks(2)):
+        got = results["refusals"]
+        for key, named in [("page_size", "page_size"), ("checkpoint", "config")]:
+            assert got[key] == (f"the ranks called from_pretrained with different {named}: every "
+                                f"rank must pass the same arguments"), f"rank {rank}: {key}"
+        assert got["missing"].startswith(("rank 1: " if rank == 0 else "") + "cannot load "), (
+            f"rank {rank}: {got['missing']}")
+        assert "-missing':\n  - not a directory with a config.json" in got["missing"]

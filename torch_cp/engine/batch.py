@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch_cp.engine.agreement import agree, fingerprint
+from torch_cp.agreement import agree, fingerprint
 from torch_cp.engine.checks import checked
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (

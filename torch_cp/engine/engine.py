@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch.distributed as dist
-
+from torch_cp.agreement import across_ranks, agree_over, fingerprint
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
 from torch_cp.engine.checks import engine_problems, positive_ints
 from torch_cp.engine.feedback import status
-from torch_cp.engine.memory import pool_fit_problems
+from torch_cp.engine.memory import (
+    DEFAULT_GRAPH_ROWS,
+    pool_fit_problems,
+    state_pool_bytes,
+    state_slot_counts,
+)
 from torch_cp.engine.sampling import (
     SamplingParams,
     all_greedy,
@@ -35,29 +39,8 @@ from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
 from torch_cp.runtime import new_state_pool, runtime_to_run
-from torch_cp.state import StatePool
 
 DEFAULT_TOKENS_PER_STEP = 2048
-DEFAULT_GRAPH_ROWS = 64
-
-
-def state_slot_counts(hybrid: bool, max_rows: int | None, prefix_caching: bool,
-                      state_checkpoints: int | None) -> tuple[int, int]:
-    """(slots of running requests, checkpoint slots) of an ``Engine``'s state pool: a hybrid
-    model's running requests hold one each (``max_rows`` of them), and prefix caching keeps as
-    many state checkpoints unless ``state_checkpoints`` says."""
-    running = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
-    return running, (state_checkpoints or running) if prefix_caching else 0
-
-
-def state_pool_bytes(runtime, max_rows: int | None = None, prefix_caching: bool = False,
-                     state_checkpoints: int | None = None) -> int:
-    """Bytes of the state pool an ``Engine`` with these arguments allocates on this rank (0 for
-    a model without linear attention): what a default KV pool leaves free for it."""
-    if runtime.linear is None:
-        return 0
-    slots = sum(state_slot_counts(True, max_rows, prefix_caching, state_checkpoints))
-    return StatePool.bytes_for(runtime.linear, slots, runtime.dtype)
 
 
 class Engine(BatchRuns, Serving):
@@ -101,6 +84,10 @@ class Engine(BatchRuns, Serving):
         state_checkpoints: state-pool slots that keep those checkpoints, each a request's
             whole state (``state_bytes``); the least recently used gives way (default, with
             ``prefix_caching`` on a hybrid model: as many as requests may run).
+    Raises:
+        ValueError naming every problem, before anything is allocated; under torchrun on every
+        rank alike, naming another rank's problems (a pool its free memory cannot hold) or the
+        arguments that differ between ranks (``progress`` may differ; nothing else).
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
@@ -108,24 +95,33 @@ class Engine(BatchRuns, Serving):
                  cuda_graphs: bool = False, max_pages_per_row: int | None = None,
                  mixed_buckets: Sequence[tuple[int, int]] = (), compile: bool = False,
                  overlap_planning: bool = False, progress: bool = False,
-                 prefix_caching: bool = False, state_checkpoints: int | None = None):
+                 prefix_caching: bool = False, state_checkpoints: int | None = None, *,
+                 _agreed: bool = False):
         self.model = model
         self.runtime = runtime_to_run(model)
         page_size = self.runtime.page_size if page_size is None else page_size
         hybrid = self.runtime.linear is not None
-        problems = engine_problems(num_pages, page_size, self.runtime.placement.size,
-                                   max_tokens_per_step, max_rows, max_pages_per_row,
-                                   mixed_buckets, cuda_graphs, compile, self.runtime.device,
-                                   prefix_caching, hybrid, state_checkpoints,
-                                   self.runtime.backend, overlap_planning)
+        arguments = dict(num_pages=num_pages, page_size=page_size,
+                         max_tokens_per_step=max_tokens_per_step, max_rows=max_rows,
+                         cuda_graphs=cuda_graphs, max_pages_per_row=max_pages_per_row,
+                         mixed_buckets=mixed_buckets, compile=compile,
+                         overlap_planning=overlap_planning, prefix_caching=prefix_caching,
+                         state_checkpoints=state_checkpoints)
+        problems = engine_problems(**arguments, partners=self.runtime.placement.size,
+                                   device=self.runtime.device, hybrid=hybrid,
+                                   backend=self.runtime.backend)
         if positive_ints(num_pages) and not self.runtime.placement.page_size_problems(page_size):
-            # Named beside the other problems; every rank decides alike (its arguments). The
-            # state pool (hybrid models) counts where its own arguments are valid.
+            # Named beside the other problems (this rank's free memory; the gather below names
+            # a rank it does not fit). The state pool (hybrid models) counts where its own
+            # arguments are valid.
             state = (state_pool_bytes(self.runtime, max_rows, prefix_caching, state_checkpoints)
                      if positive_ints(max_rows, state_checkpoints, none=True) else 0)
             problems += pool_fit_problems(self.runtime, page_size, num_pages, state)
-        if problems:
-            raise ValueError("invalid engine: " + "; ".join(problems))
+        # Every rank's problems and arguments, before anything is allocated (``generate``, whose
+        # gather covered these arguments, passes ``_agreed``).
+        agree_over(self.runtime.spans_ranks and not _agreed, self.runtime.device, "Engine(...)",
+                   ["invalid engine: " + "; ".join(problems)] if problems else [],
+                   lambda: fingerprint(**arguments))
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
         self.max_rows = max_rows
@@ -137,8 +133,7 @@ class Engine(BatchRuns, Serving):
         # None unless hybrid; the checkpoints' slots follow the running requests'.
         self.state = new_state_pool(self.runtime, state_slots + checkpoints)
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
-        self.broadcast = (self.runtime.spans_ranks and dist.is_available()
-                          and dist.is_initialized() and dist.get_world_size() > 1)
+        self.broadcast = across_ranks(self.runtime.spans_ranks)
         self.overlap_planning = overlap_planning
         self.steps = 0
         self.prefilled_tokens = 0  # prompt tokens the model ran (prefix-cached ones excluded)

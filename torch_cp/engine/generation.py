@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from torch_cp.engine.agreement import agree, fingerprint
+from torch_cp.agreement import agree, fingerprint
 from torch_cp.engine.checks import checked, engine_problems, positive_ints
-from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine, state_pool_bytes
+from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import (
     default_num_pages,
     lifetime_pages,
     memory_cap_pages,
     pool_fit_problems,
+    state_pool_bytes,
 )
 from torch_cp.engine.requests import (
     RequestOutput,
@@ -144,7 +145,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         overlap_planning=overlap_planning)
     if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
         problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
-            runtime, prefix_caching=prefix_caching))  # every rank alike: its arguments
+            runtime, prefix_caching=prefix_caching))  # this rank's memory: no collective
     eos = eos_ids(model, eos_token_id, tokenizer)
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,
@@ -160,7 +161,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     engine = engine_for(model, token_prompts, lives, page_size, num_pages,
                         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
                         compile=compile, overlap_planning=overlap_planning, progress=progress,
-                        prefix_caching=prefix_caching)
+                        prefix_caching=prefix_caching, _agreed=True)  # its arguments: above
     if stream:  # the warnings run() gives
         warn_ignored_sampling(sampling)
         warn_past_positions(model, [Request(i, p, n) for i, (p, n) in

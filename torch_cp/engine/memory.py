@@ -1,5 +1,6 @@
 """KV-cache sizing: bytes per rank from the pool geometry (what context parallelism saves), a
-hybrid model's linear-attention state per rank, and the pages a batch of requests needs."""
+hybrid model's linear-attention state per rank (and the state pool an ``Engine`` allocates),
+and the pages a batch of requests needs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from torch_cp.agreement import across_ranks
 from torch_cp.placement import page_size_problems
-from torch_cp.state import LinearGeometry
+from torch_cp.state import LinearGeometry, StatePool
 
 
 def _config_and_dtype(model_or_config) -> tuple[object, torch.dtype]:
@@ -97,6 +99,30 @@ def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int
     return requests * LinearGeometry.from_config(config, tp).slot_bytes(dtype)
 
 
+# An Engine's most rows of a captured step, and a hybrid model's running requests (each holds a
+# state slot) when max_rows is None.
+DEFAULT_GRAPH_ROWS = 64
+
+
+def state_slot_counts(hybrid: bool, max_rows: int | None, prefix_caching: bool,
+                      state_checkpoints: int | None) -> tuple[int, int]:
+    """(slots of running requests, checkpoint slots) of an ``Engine``'s state pool: a hybrid
+    model's running requests hold one each (``max_rows`` of them), and prefix caching keeps as
+    many state checkpoints unless ``state_checkpoints`` says."""
+    running = (max_rows or DEFAULT_GRAPH_ROWS) if hybrid else 0
+    return running, (state_checkpoints or running) if prefix_caching else 0
+
+
+def state_pool_bytes(runtime, max_rows: int | None = None, prefix_caching: bool = False,
+                     state_checkpoints: int | None = None) -> int:
+    """Bytes of the state pool an ``Engine`` with these arguments allocates on this rank (0 for
+    a model without linear attention): what a default KV pool leaves free for it."""
+    if runtime.linear is None:
+        return 0
+    slots = sum(state_slot_counts(True, max_rows, prefix_caching, state_checkpoints))
+    return StatePool.bytes_for(runtime.linear, slots, runtime.dtype)
+
+
 def lifetime_pages(prompt, max_new_tokens: int, page_size: int) -> int:
     """Pages a request holds at most (its last generated token is never cached)."""
     return -(-max(len(prompt) + max_new_tokens - 1, 1) // page_size)
@@ -146,11 +172,12 @@ def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | 
 def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: int = 0
                       ) -> list[str]:
     """Why a pool of ``num_pages`` and ``reserved_bytes`` beside it (a hybrid model's state
-    pool) cannot fit in the free memory of its device on some rank (every rank gets the same
-    answer), before any of it is allocated."""
+    pool) cannot fit in the free memory of this rank's device, before any of it is allocated.
+    No collective: callers gather every rank's problems (``torch_cp.agreement``), so a pool
+    that fits on one rank only is refused on every rank, naming the rank it does not fit."""
     free = _free_bytes(runtime)
     per_page = pool_bytes_per_page(runtime, page_size)
-    fits = _agreed(None if free is None else max(0, free - reserved_bytes) // per_page, runtime)
+    fits = None if free is None else max(0, free - reserved_bytes) // per_page
     if fits is None or num_pages <= fits:
         return []
     beside = (f" beside {reserved_bytes / 2**30:.1f} GiB of state pool" if reserved_bytes
@@ -169,8 +196,7 @@ def _free_bytes(runtime) -> int | None:
 def _agreed(cap: int | None, runtime) -> int | None:
     """The smallest cap of every rank: ranks see different free memory, and pools of different
     sizes would split their schedulers."""
-    if not (runtime.spans_ranks and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1):
+    if not across_ranks(runtime.spans_ranks):
         return cap
     unknown = 2**62
     device = runtime.device if dist.get_backend() == "nccl" else "cpu"

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from torch_cp.values import as_int
+
 Prompt = Sequence[int] | torch.Tensor | str
 
 
@@ -20,17 +22,6 @@ def _tensor_like(x):
     if hasattr(x, "__array__") and hasattr(x, "ndim") and not isinstance(x, torch.Tensor):
         return torch.as_tensor(x)
     return x
-
-
-def as_int(value) -> int | None:
-    """``value`` as an int (Python's, NumPy's or a tensor's integer), or None: bools, of any
-    kind, are not ints."""
-    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def token_ids_of(prompt) -> list[int] | None:

@@ -11,12 +11,12 @@ from typing import Literal
 
 from torch_cp.engine.prompts import (
     Prompt,
-    as_int,
     normalize_prompts,
     pad_token_ids,
     token_ids_of,
 )
 from torch_cp.engine.scheduler import Request
+from torch_cp.values import as_int
 
 # Prompt forms live in prompts.py; re-exported here, where requests are made of them.
 __all__ = ["Prompt", "RequestOutput", "Result", "check_request", "eos_ids", "make_requests",

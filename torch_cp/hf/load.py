@@ -43,7 +43,7 @@ from torch_cp.fused_linear import fused_storage
 from torch_cp.hf.checkpoint import map_checkpoint, read_into
 from torch_cp.hf.checkpoint_files import read_headers
 from torch_cp.hf.patch import patch_validated, shard_model
-from torch_cp.hf.validate import DTYPES, patch_problems
+from torch_cp.hf.validate import DTYPES, agree_on_model, patch_problems
 from torch_cp.tp import SHARD_ATTR, shard_of
 
 # safetensors' names of the floating dtypes a checkpoint's weights come in
@@ -141,10 +141,13 @@ def _loaded_problems(model: nn.Module, dtype: torch.dtype, tied: bool) -> list[s
     return problems
 
 
-def _refuse(path: Path, problems: list[str]) -> None:
-    """One ValueError naming every problem found, if any."""
-    if problems:
-        raise ValueError(f"cannot load {str(path)!r}:\n  - " + "\n  - ".join(problems))
+def _refuse(path: Path, problems: list[str], model, mesh, device, arguments: dict) -> None:
+    """One ValueError naming every problem found, if any; under torchrun on every rank of the
+    mesh alike, with the other ranks' problems or the arguments, dtype or config that differ
+    (``agree_on_model``)."""
+    agree_on_model(model, "from_pretrained", mesh, device, [
+        f"cannot load {str(path)!r}:\n  - " + "\n  - ".join(problems)] if problems else [],
+        **arguments)
 
 
 def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
@@ -174,12 +177,15 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     Raises:
         ValueError naming every problem (a path without a checkpoint, everything ``patch_model``
         refuses, keys missing from the checkpoint or not in the model, shapes that differ),
-        before any weight is read.
+        before any weight is read; under torchrun on every rank of the mesh alike (with the
+        other ranks' problems, or the settings, dtype or config that differ between ranks).
     """
-    path = Path(path)
+    path, device = Path(path), _device(device, mesh)
+    arguments = dict(mode=mode, context_parallel=context_parallel, backend=backend,
+                     page_size=page_size)
     if not (path / "config.json").is_file():
-        raise ValueError(f"cannot load {str(path)!r}: not a directory with a config.json (a "
-                         f"local checkpoint; download one with huggingface_hub.snapshot_download)")
+        _refuse(path, ["not a directory with a config.json (a local checkpoint; download one "
+                       "with huggingface_hub.snapshot_download)"], None, mesh, device, arguments)
     leaves, file_problems = read_headers(path)
     problems = list(file_problems)
     config, model = None, None
@@ -188,7 +194,6 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     except (ValueError, OSError, KeyError) as e:  # an unknown model_type, a config not JSON
         problems.append(f"config.json: {type(e).__name__}: {e}")
     dtype = _dtype(dtype, config, leaves, problems)
-    device = _device(device, mesh)
     if config is not None:
         try:
             model = _meta_model(config, dtype)
@@ -196,7 +201,7 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
             problems.append(f"{type(config).__name__} builds no causal LM: {type(e).__name__}: "
                             f"{e}")
     if model is None:
-        _refuse(path, problems)
+        _refuse(path, problems, None, mesh, device, arguments)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     settings, refused = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                        mode=mode, backend=backend, page_size=page_size,
@@ -204,7 +209,7 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     # No tensors but readable files: map them too, so every missing key is named.
     trees, key_problems = (map_checkpoint(model, leaves) if leaves or not file_problems
                            else ({}, []))
-    _refuse(path, refused + problems + key_problems)
+    _refuse(path, refused + problems + key_problems, model, mesh, device, arguments)
     if settings.tp > 1:
         shard_model(model, settings, mesh)
     _load(model, trees, _Files(path), device)

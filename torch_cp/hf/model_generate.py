@@ -14,23 +14,28 @@ forward pre-hook on the model turns each call's ids and mask into a step plan wh
 from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly).
 Beam search is not supported (a paged cache does not reorder rows).
 
-Under torchrun every rank calls ``generate`` with the same inputs, and each rank's own loop picks
-its tokens: greedy decoding agrees on every rank (the tests check it), but sampling agrees only
-when every rank seeds alike (``torch.manual_seed``) and the logits agree to the last bit. Where
-that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts the tokens.
+Under torchrun every rank calls ``generate`` with the same inputs (checked first: one gather of
+the arguments' digest, and a ValueError on every rank naming those that differ), and each rank's
+own loop picks its tokens: greedy decoding agrees on every rank (the tests check it), but
+sampling agrees only when every rank seeds alike (``torch.manual_seed``) and the logits agree to
+the last bit. Where that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts
+the tokens.
 """
 
 from __future__ import annotations
 
-import operator
+import inspect
+import types
 
 import torch
 
 from torch_cp import compat
+from torch_cp.agreement import agree, described, fingerprint
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
-from torch_cp.runtime import new_state_pool, runtime_to_run
+from torch_cp.runtime import new_state_pool, runtime_of, runtime_to_run
+from torch_cp.values import positive_int
 
 NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
                         "output_attentions=True needs the unpatched model (unpatch_model)")
@@ -138,12 +143,13 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     """
     runtime = runtime_to_run(model)
     size = runtime.page_size if page_size is None else page_size
-    problems = [f"{name} must be a positive int, got {v!r}" for name, v in
-                (("batch_size", batch_size), ("max_length", max_length)) if not _positive(v)]
+    rows, length = positive_int(batch_size), positive_int(max_length)
+    problems = [f"{name} must be a positive int, got {v!r}" for name, v, n in
+                (("batch_size", batch_size, rows), ("max_length", max_length, length)) if n is None]
     problems += runtime.placement.page_size_problems(size)
     if problems:
         raise ValueError("; ".join(problems))
-    batch_size, max_length = operator.index(batch_size), operator.index(max_length)
+    batch_size, max_length = rows, length
     pages = batch_size * -(-max_length // size)
     install_generate(model)
     return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size,
@@ -217,6 +223,7 @@ def install_generate(model) -> None:
     model._torch_cp_generate_hook = model.register_forward_pre_hook(_plan_before_forward,
                                                                     with_kwargs=True)
     compat.override_prepare_cache(model, _prepare_cache_for_generation)
+    model.generate = types.MethodType(_agreed_generate, model)
     model._torch_cp_generate_installed = True
 
 
@@ -226,7 +233,40 @@ def uninstall_generate(model) -> None:
     if hook is not None:
         hook.remove()
     compat.restore_prepare_cache(model)
+    model.__dict__.pop("generate", None)
     model.__dict__.pop("_torch_cp_generate_installed", None)
+
+
+def _agreed_generate(self, *args, **kwargs):
+    """The class's ``generate``, once every rank the model spans called it with the same
+    arguments and generation config (``torch_cp.agreement``): ranks given other prompts
+    returned the same wrong tokens, and other lengths or settings hung or died in a collective.
+    One gather, before the cache is allocated; the checks that follow read only what agreed, so
+    every rank refuses alike."""
+    generate = type(self).generate
+    problems = []
+    try:  # this rank's own state: cast or moved after patching
+        runtime_to_run(self)
+    except ValueError as e:
+        problems.append(str(e))
+    agree(runtime_of(self), "model.generate", problems, lambda: fingerprint(**{
+        name: described(value) for name, value in
+        (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
+         ).items()}))
+    return generate(self, *args, **kwargs)
+
+
+def _named(function, self, args, kwargs) -> dict:
+    """The arguments of ``function(self, *args, **kwargs)`` by name (its ``**kwargs`` spread)."""
+    try:
+        bound = inspect.signature(function).bind(self, *args, **kwargs).arguments
+    except TypeError:  # generate raises it, alike on ranks called alike
+        return {"positional arguments": args, **kwargs}
+    spread = {}
+    for name, param in inspect.signature(function).parameters.items():
+        if name in bound and param.kind == inspect.Parameter.VAR_KEYWORD:
+            spread |= bound.pop(name)
+    return {k: v for k, v in bound.items() if k != "self"} | spread
 
 
 def _with_plan_positions(plan, args, kwargs):
@@ -249,10 +289,3 @@ def _with_plan_positions(plan, args, kwargs):
             0, index, positions[: index.shape[0]]).view(b, s)
     return args, kwargs | {"position_ids": position_ids}
 
-
-def _positive(value) -> bool:
-    """An int >= 1 (NumPy's too), not a bool."""
-    try:
-        return not isinstance(value, bool) and operator.index(value) >= 1
-    except TypeError:
-        return False

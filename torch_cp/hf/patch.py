@@ -81,7 +81,9 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
         storage (``torch_cp.fused_linear``): move and load the model before patching it.
     Raises:
         ValueError naming every problem, before anything is allocated or modified; also when
-        the model is already patched.
+        the model is already patched. Under torchrun every rank of the mesh raises it alike,
+        naming another rank's problems, or the settings, model dtype or config that differ
+        between ranks (every rank patches the same model alike).
     """
     s = validate_patch(model, context_parallel=context_parallel, mesh=mesh, mode=mode,
                        backend=backend, page_size=page_size)

@@ -6,12 +6,15 @@ parallelism cannot run in the mode chosen but would in the other, the problem sa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch_cp.agreement import agree_over, described, fingerprint
 from torch_cp.attention.select import BACKEND_NAMES, flashinfer_problems
 from torch_cp.layers import attention_modules, decoder_mlps, linear_modules
 from torch_cp.mesh import AXES, context_parallel_problems, mesh_world_problems
@@ -151,7 +154,9 @@ def _context_parallel_problems(kv_heads: int, mode: str, tp: int, sp: int, page_
 
 def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,
                    page_size: int, device: torch.device | None = None) -> PatchSettings:
-    """Check every ``patch_model`` argument against the model; ValueError naming every problem.
+    """Check every ``patch_model`` argument against the model; ValueError naming every problem
+    (under torchrun on every rank of the mesh alike, with the arguments that differ between
+    ranks: ``agree_on_model``).
 
     ``device``: where the model's weights will be (``from_pretrained`` validates a model on the
     meta device before loading anything); by default where its parameters are.
@@ -159,9 +164,32 @@ def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
     settings, problems = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                         mode=mode, backend=backend, page_size=page_size,
                                         device=device)
-    if problems:
-        raise ValueError("cannot patch the model:\n  - " + "\n  - ".join(problems))
+    agree_on_model(model, "patch_model", mesh, device, [
+        "cannot patch the model:\n  - " + "\n  - ".join(problems)] if problems else [],
+        context_parallel=context_parallel, mode=mode, backend=backend, page_size=page_size)
     return settings
+
+
+def agree_on_model(model, call: str, mesh, device: torch.device | None, problems: list[str],
+                   **arguments) -> None:
+    """Raise ``problems`` on every rank of ``mesh`` alike (``torch_cp.agreement``), with the
+    other ranks' problems, or name the ``arguments``, model dtype or config (its public keys)
+    that differ between them: a rank patched otherwise than its partners would hang in, or
+    corrupt, their collectives. Gathers only where the mesh is the whole world of more than one
+    rank (a mesh that is not is refused for context parallelism: ``mesh_world_problems``)."""
+    spans = (isinstance(mesh, DeviceMesh) and mesh.mesh.numel() > 1 and dist.is_initialized()
+             and mesh.mesh.numel() == dist.get_world_size())
+    dtype, own = (model_dtype_device(model) if spans and isinstance(model, nn.Module)
+                  else (None, None))
+
+    def digest() -> dict[str, str]:
+        config = getattr(model, "config", None)
+        public = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
+                  if not k.startswith("_") and k not in ("transformers_version", "dtype")}
+        return fingerprint(**arguments, dtype=dtype,
+                           config=json.dumps(described(public), sort_keys=True, default=str),
+                           mesh=(tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type))
+    agree_over(spans, own if device is None else device, call, problems, digest)
 
 
 def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,

@@ -1,0 +1,83 @@
+"""Ranks agree on a call before it runs.
+
+Under torchrun every rank patches the same model with the same settings and calls each entry
+point (``patch_model``, ``Engine(...)``, ``Engine.run``, ``generate``, ``model.generate``) with
+the same arguments: each rank builds its KV from its own prompts, and rank 0's tokens are
+broadcast, so ranks given different prompts returned the same wrong tokens, silently, and ranks
+given different settings (or a bad one on one rank only) hung or died in a collective that named
+nothing. One gather of each rank's problems and a fingerprint of its arguments, before anything
+is allocated, turns both into the same ValueError on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+def fingerprint(**arguments) -> dict[str, str]:
+    """A short digest of each argument's ``repr`` (prompts can be long)."""
+    return {name: hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+            for name, value in arguments.items()}
+
+
+def described(value):
+    """``value`` as plain data whose ``repr`` is alike on ranks that hold alike values: tensors
+    and arrays by dtype, shape and every element (a tensor's ``repr`` elides the middle of a
+    long one), containers item by item, configs by ``to_dict()``, anything else (a streamer, a
+    logits processor, a function) by its type's name, never its address."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor) or (hasattr(value, "dtype") and hasattr(value, "tolist")):
+        return (str(value.dtype), tuple(getattr(value, "shape", ())), value.tolist())
+    if isinstance(value, Mapping):
+        return {str(k): described(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [described(v) for v in value]
+    if callable(getattr(value, "to_dict", None)):
+        return described(value.to_dict())
+    return type(value).__qualname__
+
+
+def across_ranks(spans: bool) -> bool:
+    """Whether a call that ``spans`` ranks (a patched model's ``runtime.spans_ranks``, a mesh
+    of more than one rank) runs in a world of more than one rank: then every rank makes it."""
+    return (spans and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1)
+
+
+def agree(runtime, call: str, problems: list[str], digest: Callable[[], dict[str, str]]
+          ) -> None:
+    """``agree_over`` the ranks a step of ``runtime`` (a patched model's) spans."""
+    agree_over(runtime.spans_ranks, runtime.device, call, problems, digest)
+
+
+def agree_over(spans: bool, device, call: str, problems: list[str],
+               digest: Callable[[], dict[str, str]]) -> None:
+    """Raise on every rank of the world where ``spans``: a ValueError naming every rank's
+    ``problems``, or the arguments of ``call`` whose ``digest()`` (made only then) differs
+    between ranks. Elsewhere (one rank, or ranks that each run alone), ``problems`` only.
+    ``device``: this rank's (NCCL gathers through the current CUDA device)."""
+    if not across_ranks(spans):
+        if problems:
+            raise ValueError("; ".join(problems))
+        return
+    gathered: list = [None] * dist.get_world_size()
+    device = torch.device(device) if device is not None else None
+    # NCCL moves the objects through the current CUDA device: make it this rank's.
+    on_cuda = device is not None and device.type == "cuda"
+    with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+        dist.all_gather_object(gathered, (problems, digest()))
+    found = [f"rank {rank}: {'; '.join(p)}" for rank, (p, _) in enumerate(gathered) if p]
+    if found:
+        raise ValueError(" | ".join(found) if len(found) > 1 or not problems else
+                         "; ".join(problems))
+    differ = sorted(name for name in gathered[0][1]
+                    if len({d.get(name) for _, d in gathered}) > 1)
+    if differ:
+        raise ValueError(f"the ranks called {call} with different {', '.join(differ)}: every "
+                         f"rank must pass the same arguments")

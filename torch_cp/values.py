@@ -1,0 +1,25 @@
+"""Argument values as every layer reads them (the engine's prompts and ``max_new_tokens``, the
+Hugging Face bridge's ``new_cache`` sizes): one reader, below both."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+
+def as_int(value) -> int | None:
+    """``value`` as an int (Python's, NumPy's or a tensor's integer), or None: bools, of any
+    kind, are not ints."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def positive_int(value) -> int | None:
+    """``value`` as an int >= 1 (``as_int``'s kinds), or None."""
+    n = as_int(value)
+    return n if n is not None and n >= 1 else None
