@@ -113,22 +113,31 @@ def runtime_to_run(model) -> ModelRuntime:
     backend for the dtype and device it saw; they would not follow; an engine made before
     keeps them). Linears whose parameters were replaced are fused again
     (``fused_linear.fuse_replaced``)."""
+    runtime, problems = runtime_and_problems(model)
+    if problems:
+        raise ValueError(problems[0])
+    return runtime
+
+
+def runtime_and_problems(model) -> tuple[ModelRuntime, list[str]]:
+    """``runtime_to_run``'s runtime and its problem, if any, unraised: for a call that names
+    every rank's problems together (``torch_cp.agreement``)."""
     runtime = runtime_of(model)
     fuse_replaced(model)
     dtype, device = model_dtype_device(model)
     if dtype is None:
-        return runtime
-    problems = []
+        return runtime, []
+    changes = []
     if dtype != runtime.dtype:
-        problems.append(f"cast to {dtype}")
+        changes.append(f"cast to {dtype}")
     if _indexed(device) != _indexed(runtime.device):
-        problems.append(f"moved to {device}")
-    if problems:
-        raise ValueError(f"the model was {' and '.join(problems)} after torch_cp.patch_model, "
-                         f"which built its pools and attention backend for {runtime.dtype} on "
-                         f"{runtime.device}: cast and move the model before patching it (or "
-                         f"unpatch_model, cast, and patch again)")
-    return runtime
+        changes.append(f"moved to {device}")
+    if not changes:
+        return runtime, []
+    return runtime, [f"the model was {' and '.join(changes)} after torch_cp.patch_model, which "
+                     f"built its pools and attention backend for {runtime.dtype} on "
+                     f"{runtime.device}: cast and move the model before patching it (or "
+                     f"unpatch_model, cast, and patch again)"]
 
 
 def _indexed(device: torch.device | str) -> torch.device:

@@ -131,6 +131,13 @@ def _refusals(rank: int) -> dict[str, str]:
     model.generation_config.max_new_tokens = NEW + rank
     out["model.generate generation_config"] = _raised(model.generate, ids, do_sample=False)
     model.generation_config.max_new_tokens = NEW
+    if rank:
+        model.to(torch.float64)  # cast after patching, on rank 1 alone: refused on both
+    out["Engine cast"] = _raised(Engine, model, PAGES, PAGE)
+    out["generate cast"] = _raised(torch_cp.generate, model, [[9, 8, 7]], NEW, progress=False)
+    out["model.generate cast"] = _raised(model.generate, ids, max_new_tokens=NEW,
+                                         do_sample=False)
+    model.to(torch.float32)
     out["agreed"] = model.generate(ids, do_sample=False)[0].tolist()
     return out
 
@@ -205,6 +212,7 @@ def test_ranks_called_with_different_arguments_all_refuse_naming_them(ranks):
 
 
 DIFFERENT = "the ranks called {} with different {}: every rank must pass the same arguments"
+CAST = "the model was cast to torch.float64 after torch_cp.patch_model"
 
 
 def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ranks):
@@ -212,7 +220,8 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
     gloo (another dtype) or gave wrong tokens; an Engine of other max_rows or prefix_caching
     hung or died; model.generate of other inputs gave the same wrong tokens on both, silently,
     and of other lengths died; a problem on rank 1 alone (a bad page size or max_rows, a pool
-    its free memory cannot hold) left rank 0 in its next collective."""
+    its free memory cannot hold, a model cast after patching) left rank 0 in its next
+    collective."""
     for rank, per_mode in enumerate(ranks):
         got = per_mode["refusals"]
         for key, call, named in [
@@ -231,7 +240,9 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                 ("Engine max_rows bad", "invalid engine: max_rows must be a positive int or "
                                         "None, got 0"),
                 ("Engine pool does not fit", f"invalid engine: num_pages {PAGES} need "),
-                ("generate num_pages bad", "num_pages must be a positive int, got 0")]:
+                ("generate num_pages bad", "num_pages must be a positive int, got 0"),
+                ("Engine cast", "invalid engine: " + CAST),
+                ("generate cast", CAST), ("model.generate cast", CAST)]:
             assert got[key].startswith("rank 1: " + problem if rank == 0 else problem), (
                 f"rank {rank}: {key}: {got[key]}")
         assert got["Engine pool does not fit"].endswith("the free memory holds at most 0 pages")

@@ -38,7 +38,7 @@ from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
-from torch_cp.runtime import new_state_pool, runtime_to_run
+from torch_cp.runtime import new_state_pool, runtime_and_problems
 
 DEFAULT_TOKENS_PER_STEP = 2048
 
@@ -98,7 +98,7 @@ class Engine(BatchRuns, Serving):
                  prefix_caching: bool = False, state_checkpoints: int | None = None, *,
                  _agreed: bool = False):
         self.model = model
-        self.runtime = runtime_to_run(model)
+        self.runtime, cast = runtime_and_problems(model)
         page_size = self.runtime.page_size if page_size is None else page_size
         hybrid = self.runtime.linear is not None
         arguments = dict(num_pages=num_pages, page_size=page_size,
@@ -107,9 +107,9 @@ class Engine(BatchRuns, Serving):
                          mixed_buckets=mixed_buckets, compile=compile,
                          overlap_planning=overlap_planning, prefix_caching=prefix_caching,
                          state_checkpoints=state_checkpoints)
-        problems = engine_problems(**arguments, partners=self.runtime.placement.size,
-                                   device=self.runtime.device, hybrid=hybrid,
-                                   backend=self.runtime.backend)
+        problems = cast + engine_problems(**arguments, partners=self.runtime.placement.size,
+                                          device=self.runtime.device, hybrid=hybrid,
+                                          backend=self.runtime.backend)
         if positive_ints(num_pages) and not self.runtime.placement.page_size_problems(page_size):
             # Named beside the other problems (this rank's free memory; the gather below names
             # a rank it does not fit). The state pool (hybrid models) counts where its own

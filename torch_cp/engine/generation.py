@@ -28,7 +28,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request
-from torch_cp.runtime import runtime_of, runtime_to_run
+from torch_cp.runtime import runtime_and_problems, runtime_of
 
 
 def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,
@@ -129,9 +129,9 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
             be; under torchrun on every rank alike, with the other ranks' problems and the
             arguments that differ between ranks (every rank passes the same).
     """
-    runtime = runtime_to_run(model)
+    # every problem named at once, before anything is allocated (on every rank: agree below)
+    runtime, problems = runtime_and_problems(model)
     page_size = runtime.page_size if page_size is None else page_size
-    problems = []  # every one named at once, before anything is allocated
     sampling = checked(problems, SamplingParams, temperature, top_k, top_p, seed)
     token_prompts = checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
                              pad_token_ids(model, tokenizer))

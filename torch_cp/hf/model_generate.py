@@ -34,7 +34,7 @@ from torch_cp.agreement import agree, described, fingerprint
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
-from torch_cp.runtime import new_state_pool, runtime_of, runtime_to_run
+from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
 from torch_cp.values import positive_int
 
 NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
@@ -244,12 +244,8 @@ def _agreed_generate(self, *args, **kwargs):
     One gather, before the cache is allocated; the checks that follow read only what agreed, so
     every rank refuses alike."""
     generate = type(self).generate
-    problems = []
-    try:  # this rank's own state: cast or moved after patching
-        runtime_to_run(self)
-    except ValueError as e:
-        problems.append(str(e))
-    agree(runtime_of(self), "model.generate", problems, lambda: fingerprint(**{
+    runtime, problems = runtime_and_problems(self)  # this rank's own: cast or moved after patching
+    agree(runtime, "model.generate", problems, lambda: fingerprint(**{
         name: described(value) for name, value in
         (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
          ).items()}))
