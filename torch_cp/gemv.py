@@ -2,9 +2,10 @@
 
 At batch 1 a decode step is mostly the reading of its weights, and cuBLAS reads them well below
 the copy bandwidth where the weight is small or its rows long. Run 102 (one H200, BENCHMARKS.md,
-`python -m benchmarks.gemv`), microseconds a linear with the weight out of L2, cuBLAS against
-this kernel: Qwen3-8B's o 13.1 / 10.6 and down 30.3 / 25.3 (roofline 7.9 and 23.8), q/k/v
-15.0 / 14.6, gate/up 48.1 / 47.2; Qwen3-30B-A3B's o 9.4 / 7.4, q/k/v 7.9 / 7.7, router 4.8 / 2.5.
+`python -m benchmarks.gemv`), microseconds a linear with the weight out of L2, ``F.linear``
+(cuBLAS) against this kernel at its tiles: Qwen3-8B's o 13.1 / 10.6 and down 30.5 / 25.3
+(roofline 7.9 and 23.8), q/k/v 15.0 / 14.6, gate/up 48.1 / 47.6; Qwen3-30B-A3B's o 9.4 / 7.4,
+q/k/v 7.9 / 7.7, router 4.8 / 2.5.
 
 Each program sums ``ROWS`` rows of the weight over the whole input in slices (``TILE``), in
 float32, as cuBLAS does, then adds the bias and rounds once; so a weight is read as hundreds of
@@ -15,7 +16,7 @@ It runs only in code ``torch.compile`` traces (the compiled layers a captured st
 where Inductor launches it. Called eagerly, a Triton launch from Python costs more host time than
 cuBLAS's, and an eager step at batch 1 waits on the host; in an eager graph capture the first
 launch would also load the kernel inside the capture. Elsewhere, and for more than one token,
-float32, or a weight that is not row-major, ``F.linear``.
+float32, a weight that is not row-major, a gradient wanted or autocast on, ``F.linear``.
 """
 
 from __future__ import annotations
@@ -84,11 +85,18 @@ def one_token(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``linear`` runs the kernel: one token of bf16 or fp16 on CUDA, a row-major
-    weight of its dtype, in compiled code (see the module's docstring)."""
+    weight of its dtype (a contiguous bias of its rows), in compiled code (see the module's
+    docstring), where no gradient is wanted (the kernel records none) and autocast is off (it
+    would pick another dtype)."""
     return (ENABLED and x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype
-            and weight.dim() == 2 and x.numel() == weight.shape[1] and x.stride(-1) == 1
-            and weight.stride(1) == 1 and (bias is None or bias.dtype == x.dtype)
-            and torch.compiler.is_compiling())
+            and weight.dim() == 2 and x.shape[-1] == weight.shape[1]
+            and x.numel() == weight.shape[1] and x.stride(-1) == 1 and weight.stride(1) == 1
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]
+                                  and bias.stride(0) == 1))
+            and torch.compiler.is_compiling() and not torch.is_autocast_enabled("cuda")
+            and not (torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad
+                or (bias is not None and bias.requires_grad))))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -100,12 +108,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def plain_linears(model: nn.Module) -> list[nn.Linear]:
-    """The decoder layers' ``nn.Linear`` modules (not the LM head, read at 96 % of the copy
-    bandwidth already) whose forward ``patch_model`` may replace by ``linear``: exactly
-    ``nn.Linear``, with a plain weight and no hook (quantised, LoRA and offloaded linears keep
-    theirs)."""
+    """The decoder layers' ``nn.Linear`` modules (not the LM head, read at the copy bandwidth
+    already) whose forward ``patch_model`` may replace by ``linear``: exactly ``nn.Linear``,
+    with a plain weight, no hook and no forward of its own set on it (quantised, LoRA and
+    offloaded linears keep theirs)."""
     return [m for layer in decoder_layers(model) for m in layer.modules()
-            if type(m) is nn.Linear and type(m.weight) is nn.Parameter
+            if type(m) is nn.Linear and type(m.weight) is nn.Parameter and "forward" not in vars(m)
             and not (m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"))]
 
 

@@ -59,16 +59,17 @@ def test_compiled_linears_run_the_kernel_for_one_token():
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    w = (torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    want = F.linear(x.float(), w.float())
     compiled = torch.compile(gemv.linear, fullgraph=True)
-    compiled(x, w)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        got = compiled(x, w)
-        torch.cuda.synchronize()
-    assert any("_gemv" in e.key for e in prof.key_averages())
-    torch.testing.assert_close(got.float(), want, rtol=ULP[torch.bfloat16],
-                               atol=1e-5 * want.abs().max().item())
-    two = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(compiled(two, w), F.linear(two, w), atol=0, rtol=0)
+    for rows in (4096, gemv.WIDE_ROWS + 8):  # both tiles
+        w = (torch.randn(rows, 4096, device="cuda") / 64).to(torch.bfloat16)
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x.float(), w.float())
+        compiled(x, w)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = compiled(x, w)
+            torch.cuda.synchronize()
+        assert any("_gemv" in e.key for e in prof.key_averages()), rows
+        torch.testing.assert_close(got.float(), want, rtol=ULP[torch.bfloat16],
+                                   atol=1e-5 * want.abs().max().item())
+        two = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(two, w), F.linear(two, w), atol=0, rtol=0)

@@ -96,6 +96,30 @@ def test_compiled_engine_gives_the_uncompiled_engines_tokens(name):
     assert_equal_but_near_ties(MODELS[name]().cuda(), plain, fast)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_one_token_linears_give_cublas_tokens_at_batch_1(name, monkeypatch):
+    """One prompt, so every decode step has one token and the compiled layers run their linears
+    through ``torch_cp.gemv``'s kernel (the tests above decode four rows a step, which take
+    cuBLAS): against the same compiled engine with the kernel off, up to near-ties."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from torch_cp import gemv
+
+    model = torch_cp.patch_model(MODELS[name]().cuda(), backend="flashinfer")
+    kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, max_pages_per_row=8,
+                  compile=True)
+    one = prompts()[:1]
+    monkeypatch.setattr(gemv, "ENABLED", False)
+    cublas = tokens(torch_cp.Engine(model, **kwargs).run(one, NEW_TOKENS))
+    monkeypatch.setattr(gemv, "ENABLED", True)
+    engine = torch_cp.Engine(model, **kwargs)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        triton = tokens(engine.run(one, NEW_TOKENS))
+        torch.cuda.synchronize()
+    assert any("_gemv" in e.key for e in prof.key_averages()), "the kernel ran"
+    assert_equal_but_near_ties(MODELS[name]().cuda(), cublas, triton)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_prompts_prefilled_in_chunks_give_the_whole_prompts_tokens(name, compile):

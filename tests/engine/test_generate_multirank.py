@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from multirank import run_ranks
 
 import torch_cp
@@ -104,9 +105,10 @@ def _refusals(rank: int) -> dict[str, str]:
     mesh = init_mesh(tp=2, sp=1, device_type="cpu")
 
     def patch(model, **kwargs):
-        return torch_cp.patch_model(model, mesh=mesh, **{"context_parallel": True,
-                                                         "page_size": PAGE, **kwargs})
+        return torch_cp.patch_model(model, **{"mesh": mesh, "context_parallel": True,
+                                              "page_size": PAGE, **kwargs})
     out = {"patch context_parallel": _raised(patch, tiny_qwen3(), context_parallel=rank == 0),
+           "patch no mesh": _raised(patch, tiny_qwen3(), mesh=None if rank else mesh),
            "patch page_size bad": _raised(patch, tiny_qwen3(), page_size=3 if rank else PAGE),
            "patch dtype": _raised(patch, tiny_qwen3(dtype=torch.bfloat16 if rank else
                                                     torch.float32)),
@@ -123,7 +125,15 @@ def _refusals(rank: int) -> dict[str, str]:
     # A bad num_pages on one rank met the others' pool-fit all_reduce with its gather: a hang.
     out["generate num_pages bad"] = _raised(torch_cp.generate, model, [[9, 8, 7]], NEW,
                                             num_pages=0 if rank else PAGES, progress=False)
+    # Raised on rank 1 alone before its gather, leaving rank 0 in it (helper 68).
+    out["Engine.run string without tokenizer"] = _raised(
+        Engine(model, PAGES, PAGE).run, "nine eight" if rank else [[9, 8, 7]], NEW)
+    out["generate eos float"] = _raised(torch_cp.generate, model, [[9, 8, 7]], NEW,
+                                        eos_token_id=1.5 if rank else None, progress=False)
     ids = torch.tensor([[9, 8, 7]])
+    shown = transformers.TextStreamer(_Decoder()) if rank == 0 else None  # shows, on rank 0
+    out["model.generate streamer on rank 0"] = model.generate(
+        ids, max_new_tokens=NEW, do_sample=False, streamer=shown)[0].tolist()
     out["model.generate inputs"] = _raised(model.generate, ids + rank, max_new_tokens=NEW,
                                            do_sample=False)
     out["model.generate max_new_tokens"] = _raised(model.generate, ids, do_sample=False,
@@ -140,6 +150,13 @@ def _refusals(rank: int) -> dict[str, str]:
     model.to(torch.float32)
     out["agreed"] = model.generate(ids, do_sample=False)[0].tolist()
     return out
+
+
+class _Decoder:
+    """What a ``TextStreamer`` asks of its tokenizer."""
+
+    def decode(self, ids, **kwargs) -> str:
+        return " ".join(map(str, ids))
 
 
 def _refusal(model, prompts, new) -> str:
@@ -241,12 +258,19 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                                         "None, got 0"),
                 ("Engine pool does not fit", f"invalid engine: num_pages {PAGES} need "),
                 ("generate num_pages bad", "num_pages must be a positive int, got 0"),
+                ("patch no mesh", "cannot patch the model:\n  - context_parallel=True needs a "
+                                  "mesh"),
+                ("Engine.run string without tokenizer", "invalid prompts: prompt 0: a string "
+                                                        "needs tokenizer="),
+                ("generate eos float", "eos_token_id must be an int or a list of ints, got "
+                                       "1.5"),
                 ("Engine cast", "invalid engine: " + CAST),
                 ("generate cast", CAST), ("model.generate cast", CAST)]:
             assert got[key].startswith("rank 1: " + problem if rank == 0 else problem), (
                 f"rank {rank}: {key}: {got[key]}")
         assert got["Engine pool does not fit"].endswith("the free memory holds at most 0 pages")
-    assert ranks[0]["refusals"]["agreed"] == ranks[1]["refusals"]["agreed"]
+    assert ranks[0]["refusals"]["agreed"] == ranks[1]["refusals"]["agreed"] == \
+        ranks[0]["refusals"]["model.generate streamer on rank 0"]
     assert len(ranks[0]["refusals"]["agreed"]) == 3 + NEW
 
 

@@ -46,25 +46,34 @@ class BatchRuns:
         (``PositionLimitWarning``) of requests past ``max_position_embeddings``. A step that
         raises (KeyboardInterrupt too) ends the call with that exception, every page returned.
         """
-        token_prompts = normalize_prompts(prompts, tokenizer, attention_mask,
-                                          pad_token_ids(self.model, tokenizer))
-        return self.run_tokens(token_prompts, max_new_tokens, sampling, eos_token_ids, progress,
-                               tokenizer, logprobs)
+        problems = []  # the prompts' named in the run's one gather, on every rank
+        token_prompts = checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
+                                pad_token_ids(self.model, tokenizer))
+        return self._run_checked(token_prompts, problems, max_new_tokens, sampling,
+                                 eos_token_ids, progress, tokenizer, logprobs)
 
     def run_tokens(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                    sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
                    progress: bool = False, tokenizer=None, logprobs: int | None = None
                    ) -> list[Result]:
         """``run`` for prompts already normalized to token-id lists (no padding checks)."""
+        return self._run_checked(prompts, [], max_new_tokens, sampling, eos_token_ids,
+                                 progress, tokenizer, logprobs)
+
+    def _run_checked(self, prompts: Sequence[Sequence[int]] | None, problems: list[str],
+                     max_new_tokens, sampling: SamplingParams, eos_token_ids: Sequence[int],
+                     progress: bool, tokenizer, logprobs: int | None) -> list[Result]:
+        """``run_tokens`` of ``prompts`` (None where they were refused, with ``problems``)."""
         if self.has_unfinished():
             raise RuntimeError("requests submitted with Engine.submit are unfinished (or have "
                                "outputs not yet taken): step until has_unfinished() is False "
                                "before Engine.run (an abort() ends a request at the next step)")
-        problems = list(filter(None, [logprobs_problem(logprobs, vocab_size(self.model))]))
-        news = checked(problems, new_tokens_per_request, max_new_tokens, len(prompts))
+        problems += filter(None, [logprobs_problem(logprobs, vocab_size(self.model))])
+        news = checked(problems, new_tokens_per_request, max_new_tokens,
+                       None if prompts is None else len(prompts))
         agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
-            prompts=[list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
-            eos_token_ids=sorted(eos_token_ids), logprobs=logprobs))
+            prompts=prompts and [list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
+            eos_token_ids=list(eos_token_ids), logprobs=logprobs))
         return self.run_agreed(prompts, news, sampling, eos_token_ids, progress, tokenizer,
                                logprobs)
 

@@ -17,12 +17,16 @@ def positive_ints(*values, none: bool = False) -> bool:
 
 
 def checked(problems: list[str], make, *args):
-    """``make(*args)``, or None with its ValueError's message added to ``problems``."""
+    """``make(*args)``, or None with its exception's message added to ``problems`` (any
+    exception: a tokenizer or chat template may raise anything, and under torchrun a rank that
+    raised before the call's gather would leave the others waiting in it)."""
     try:
         return make(*args)
     except ValueError as e:
         problems.append(str(e))
-        return None
+    except Exception as e:  # noqa: BLE001 (named, as a problem, on every rank)
+        problems.append(f"{type(e).__name__}: {e}")
+    return None
 
 
 def _bucket_problems(mixed_buckets) -> list[str]:

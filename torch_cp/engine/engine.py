@@ -110,10 +110,11 @@ class Engine(BatchRuns, Serving):
         problems = cast + engine_problems(**arguments, partners=self.runtime.placement.size,
                                           device=self.runtime.device, hybrid=hybrid,
                                           backend=self.runtime.backend)
-        if positive_ints(num_pages) and not self.runtime.placement.page_size_problems(page_size):
+        if (positive_ints(num_pages) and not _agreed
+                and not self.runtime.placement.page_size_problems(page_size)):
             # Named beside the other problems (this rank's free memory; the gather below names
-            # a rank it does not fit). The state pool (hybrid models) counts where its own
-            # arguments are valid.
+            # a rank it does not fit; ``generate`` checked it before its own gather). The state
+            # pool (hybrid models) counts where its own arguments are valid.
             state = (state_pool_bytes(self.runtime, max_rows, prefix_caching, state_checkpoints)
                      if positive_ints(max_rows, state_checkpoints, none=True) else 0)
             problems += pool_fit_problems(self.runtime, page_size, num_pages, state)

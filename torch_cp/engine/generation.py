@@ -146,7 +146,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
         problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
             runtime, prefix_caching=prefix_caching))  # this rank's memory: no collective
-    eos = eos_ids(model, eos_token_id, tokenizer)
+    eos = checked(problems, eos_ids, model, eos_token_id, tokenizer) or ()
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,
         eos_token_id=eos_token_id, eos_token_ids=sorted(eos), num_pages=num_pages,

@@ -161,7 +161,14 @@ def eos_ids(model, eos_token_id, tokenizer) -> tuple[int, ...]:
         eos_token_id = tokenizer.eos_token_id
     if eos_token_id is None:
         return ()
-    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    one = as_int(eos_token_id)
+    try:
+        ids = [one] if one is not None else [as_int(i) for i in eos_token_id]
+    except TypeError:
+        ids = [None]
+    if None in ids:
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    return tuple(ids)
 
 
 def with_text(results: list[Result], tokenizer) -> list[Result]:

@@ -37,6 +37,9 @@ from torch_cp.plan import build_step_plan
 from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
 from torch_cp.values import positive_int
 
+# model.generate's arguments that only show what it makes, compared on no rank: the usual
+# ``streamer=TextStreamer(tokenizer) if rank == 0 else None`` (as ``progress`` in the engine).
+SHOWN_ONLY = ("streamer",)
 NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
                         "output_attentions=True needs the unpatched model (unpatch_model)")
 
@@ -248,7 +251,7 @@ def _agreed_generate(self, *args, **kwargs):
     agree(runtime, "model.generate", problems, lambda: fingerprint(**{
         name: described(value) for name, value in
         (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
-         ).items()}))
+         ).items() if name not in SHOWN_ONLY}))
     return generate(self, *args, **kwargs)
 
 

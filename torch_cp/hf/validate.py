@@ -175,21 +175,35 @@ def agree_on_model(model, call: str, mesh, device: torch.device | None, problems
     """Raise ``problems`` on every rank of ``mesh`` alike (``torch_cp.agreement``), with the
     other ranks' problems, or name the ``arguments``, model dtype or config (its public keys)
     that differ between them: a rank patched otherwise than its partners would hang in, or
-    corrupt, their collectives. Gathers only where the mesh is the whole world of more than one
-    rank (a mesh that is not is refused for context parallelism: ``mesh_world_problems``)."""
-    spans = (isinstance(mesh, DeviceMesh) and mesh.mesh.numel() > 1 and dist.is_initialized()
-             and mesh.mesh.numel() == dist.get_world_size())
+    corrupt, their collectives. Gathers where the mesh is the whole world of more than one rank
+    (a mesh that is not is refused for context parallelism: ``mesh_world_problems``), and
+    where a rank of such a world asks for context parallelism with no mesh (refused, on every
+    rank). A rank given no mesh and no context parallelism runs alone and gathers nothing: if
+    its partners were given a mesh, they wait for it."""
+    world = dist.is_initialized() and dist.get_world_size() > 1
+    spans = world and (
+        mesh is None and bool(arguments.get("context_parallel"))
+        or isinstance(mesh, DeviceMesh) and mesh.mesh.numel() == dist.get_world_size())
     dtype, own = (model_dtype_device(model) if spans and isinstance(model, nn.Module)
                   else (None, None))
 
     def digest() -> dict[str, str]:
         config = getattr(model, "config", None)
-        public = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
-                  if not k.startswith("_") and k not in ("transformers_version", "dtype")}
+        public = _public(config.to_dict() if hasattr(config, "to_dict") else {})
         return fingerprint(**arguments, dtype=dtype,
                            config=json.dumps(described(public), sort_keys=True, default=str),
-                           mesh=(tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type))
+                           mesh=None if mesh is None else (
+                               tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type))
     agree_over(spans, own if device is None else device, call, problems, digest)
+
+
+def _public(config: dict) -> dict:
+    """A config's ``to_dict()`` without what ranks that load one model may hold apart (private
+    keys as ``_name_or_path``, the dtype it was loaded in, the transformers version), in nested
+    configs too (Qwen3.5's ``text_config``)."""
+    return {k: _public(v) if isinstance(v, dict) else v for k, v in config.items()
+            if not str(k).startswith("_") and k not in ("transformers_version", "dtype",
+                                                   "torch_dtype")}
 
 
 def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,
