@@ -63,23 +63,14 @@ def _gemv(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, N, K, split, w_sn,
             tl.store(ticket_ptr + pid_n, 0)
 
 
-@triton.jit
-def _sum_parts(part_ptr, out_ptr, N, split, BN: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    total = tl.zeros([BN], tl.float32)
-    for s in range(0, split):
-        total += tl.load(part_ptr + s * N + n, mask=n < N, other=0.0)
-    tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=n < N)
-
-
 class Gemv:
     """One tile's launcher with its scratch: ``(x [K], w [N, K]) -> [N]``."""
 
     def __init__(self, n: int, k: int, bn: int, bk: int, split: int, warps: int, stages: int,
-                 separate: bool, device: torch.device):
+                 device: torch.device):
         assert k % (split * bk) == 0
         self.n, self.k, self.bn, self.bk, self.split = n, k, bn, bk, split
-        self.warps, self.stages, self.separate = warps, stages, separate
+        self.warps, self.stages = warps, stages
         self.part = torch.empty(split, n, dtype=torch.float32, device=device)
         self.tickets = torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device)
 
@@ -87,31 +78,9 @@ class Gemv:
         out = torch.empty(self.n, dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(self.n, self.bn), self.split)
         tile = dict(BN=self.bn, BK=self.bk, num_warps=self.warps, num_stages=self.stages)
-        if self.separate:
-            _gemv_parts[grid](x, w, self.part, self.n, self.k, self.split, w.stride(0), **tile)
-            _sum_parts[(triton.cdiv(self.n, 128),)](self.part, out, self.n, self.split, BN=128,
-                                                    num_warps=4)
-        else:
-            _gemv[grid](x, w, out, self.part, self.tickets, self.n, self.k, self.split,
-                        w.stride(0), **tile)
+        _gemv[grid](x, w, out, self.part, self.tickets, self.n, self.k, self.split, w.stride(0),
+                    **tile)
         return out
-
-
-@triton.jit
-def _gemv_parts(x_ptr, w_ptr, part_ptr, N, K, split, w_sn, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
-    k_len = K // split
-    acc = tl.zeros([BN], tl.float32)
-    for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BK):
-        k = k0 + tl.arange(0, BK)
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * w_sn + k[None, :], mask=n_ok[:, None],
-                    other=0.0)
-        x = tl.load(x_ptr + k)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-    tl.store(part_ptr + pid_k * N + n, acc, mask=n_ok)
 
 
 def cycled(fn, weights):
@@ -133,8 +102,6 @@ def main() -> None:
     parser.add_argument("--splits", default="1,2,4,8,16")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,3")
-    parser.add_argument("--separate", action="store_true", help="also sum the splits in a "
-                        "second kernel")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -161,12 +128,11 @@ def main() -> None:
             us = graph_time_ms(cycled(fn, weights), device, iters=200, per_graph=4 * copies) * 1e3
             rows.append(results.add(kernel=label, us=us, **case))
         grid = itertools.product(ints(args.bn), ints(args.bk), ints(args.splits),
-                                 ints(args.warps), ints(args.stages),
-                                 (False, True) if args.separate else (False,))
-        for bn, bk, split, warps, stages, separate in grid:
-            if k % (split * bk) or (separate and split == 1):
+                                 ints(args.warps), ints(args.stages))
+        for bn, bk, split, warps, stages in grid:
+            if k % (split * bk):
                 continue
-            g = Gemv(n, k, bn, bk, split, warps, stages, separate, device)
+            g = Gemv(n, k, bn, bk, split, warps, stages, device)
             try:
                 got = g(x, weights[0]).float()
                 torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(),
@@ -176,8 +142,8 @@ def main() -> None:
             except Exception as error:  # a tile out of resources: noted, the sweep goes on
                 print(f"{name} {bn}/{bk}/{split}/{warps}/{stages}: {type(error).__name__}")
                 continue
-            rows.append(results.add(kernel="triton_sep" if separate else "triton", bn=bn, bk=bk,
-                                    split=split, warps=warps, stages=stages, us=us, **case))
+            rows.append(results.add(kernel="triton", bn=bn, bk=bk, split=split, warps=warps,
+                                    stages=stages, us=us, **case))
         rows.sort(key=lambda r: r["us"])
         for r in rows:
             r["x_roof"] = r["us"] / roof_us
