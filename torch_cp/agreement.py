@@ -83,10 +83,15 @@ def agree_over(spans: bool, device, call: str, problems: list[str],
     on_cuda = device is not None and device.type == "cuda"
     with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
         dist.all_gather_object(gathered, (problems, mine))
-    found = [f"rank {rank}: {'; '.join(p)}" for rank, (p, _) in enumerate(gathered) if p]
-    if found:
-        raise ValueError(" | ".join(found) if len(found) > 1 or not problems else
-                         "; ".join(problems))
+    ranks_of: dict[str, list[int]] = {}  # each message once, with every rank that found it
+    for rank, (p, _) in enumerate(gathered):
+        if p:
+            ranks_of.setdefault("; ".join(p), []).append(rank)
+    if ranks_of:
+        if list(ranks_of) == ["; ".join(problems)]:  # this rank's own, alone: as one rank says
+            raise ValueError("; ".join(problems))
+        raise ValueError(" | ".join(
+            f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for m, r in ranks_of.items()))
     names = set().union(*(d for _, d in gathered))
     differ = sorted(name for name in names if len({d.get(name) for _, d in gathered}) > 1)
     if differ:

@@ -86,6 +86,9 @@ def argument_problems(args, cuda: bool) -> list[str]:
     if args.backend not in BACKEND_NAMES:
         problems.append(f"--backend must be one of {', '.join(BACKEND_NAMES)}, got "
                         f"{args.backend!r}")
+    if args.mode != "auto" and not args.context_parallel:
+        problems.append(f"--mode {args.mode} picks the context-parallel partners: it needs "
+                        f"--context-parallel")
     sp_partners = args.context_parallel and (args.mode == "sp"
                                              or (args.mode == "auto" and args.sp > 1))
     if sp_partners and args.sp > 1 and args.page_size % args.sp:  # TP partners: from the model

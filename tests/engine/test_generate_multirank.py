@@ -8,6 +8,8 @@ are spawned once for the module; every case runs inside them."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -116,6 +118,11 @@ def _refusals(rank: int) -> dict[str, str]:
     model = patch(tiny_qwen3())
     out["Engine max_rows"] = _raised(Engine, model, PAGES, PAGE, max_rows=4 + rank)
     out["Engine max_rows bad"] = _raised(Engine, model, PAGES, PAGE, max_rows=0 if rank else 4)
+    out["Engine max_rows bad on both"] = _raised(Engine, model, PAGES, PAGE, max_rows=0)
+    with warnings.catch_warnings(record=True) as caught:  # one warning, from rank 0 (helper 69)
+        warnings.simplefilter("always")
+        torch_cp.generate(model, [[9, 8, 7]], 1, top_k=5, progress=False)
+    out["warnings"] = [type(w.message).__name__ for w in caught]
     free = memory.free_host_bytes
     memory.free_host_bytes = (lambda: 0) if rank else free  # rank 1 has no memory to spare
     try:
@@ -269,6 +276,11 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
             assert got[key].startswith("rank 1: " + problem if rank == 0 else problem), (
                 f"rank {rank}: {key}: {got[key]}")
         assert got["Engine pool does not fit"].endswith("the free memory holds at most 0 pages")
+    for rank, per_mode in enumerate(ranks):  # found alike on every rank: said once, as by one
+        assert per_mode["refusals"]["Engine max_rows bad on both"] == (
+            "invalid engine: max_rows must be a positive int or None, got 0")
+        assert per_mode["refusals"]["warnings"] == (["IgnoredSettingWarning"] if rank == 0
+                                                    else [])
     assert ranks[0]["refusals"]["agreed"] == ranks[1]["refusals"]["agreed"] == \
         ranks[0]["refusals"]["model.generate streamer on rank 0"]
     assert len(ranks[0]["refusals"]["agreed"]) == 3 + NEW

@@ -8,6 +8,7 @@ test_from_pretrained, which loads them sharded over gloo ranks).
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -136,6 +137,17 @@ def test_paths_without_a_checkpoint_are_named(checkpoints, tmp_path):
     lost.unlink()
     with pytest.raises(ValueError, match=f"names {lost.name}, which is not in"):
         torch_cp.from_pretrained(sharded)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA unavailable is one of the cases")
+def test_a_device_that_cannot_hold_the_weights_is_named_first(checkpoints, no_reads):
+    """CUDA without CUDA failed in the allocator after the reads began, an unknown device in
+    torch.device, meta after the load (helper 69): now named with the other problems."""
+    for device, problem in [("cuda", "device cuda: CUDA is not available"),
+                            ("bogus", "device 'bogus': Expected one of"),
+                            ("meta", "device meta holds no weights")]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            torch_cp.from_pretrained(checkpoints["qwen3"], device=device)
 
 
 def test_a_device_named_with_an_index_is_the_device_the_weights_are_on(checkpoints):

@@ -185,6 +185,9 @@ def test_the_backend_and_the_sp_page_size_are_named_with_the_rest():
         "--page-size 5 must be a multiple of the 2 SP partners (each holds an equal share of "
         "every page's slots)",
         "invalid sampling parameters: top_k must be a positive int or None, got 0"]
+    # --mode without --context-parallel did nothing, silently (helper 69)
+    assert argument_problems(parse_args(["--sp", "2", "--mode", "sp"]), cuda=False) == [
+        "--mode sp picks the context-parallel partners: it needs --context-parallel"]
 
 
 def test_the_console_script_runs_the_cli_one_line_errors_and_all(tmp_path):

@@ -40,7 +40,10 @@ def rank0() -> bool:
 
 
 def warn(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the first caller outside torch_cp (the user's line)."""
+    """``warnings.warn`` attributed to the first caller outside torch_cp (the user's line), on
+    rank 0 only (under torchrun every rank makes the same call: one warning, as one bar)."""
+    if not rank0():
+        return
     frame, level = sys._getframe(1), 2  # level 2: the frame that called warn()
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1

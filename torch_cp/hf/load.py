@@ -69,13 +69,31 @@ def _dtype(dtype, config, leaves: dict, problems: list[str]) -> torch.dtype:
     return dtype
 
 
-def _device(device, mesh) -> torch.device:
-    """``device``, else the mesh's (CUDA: the current device), else CUDA when available."""
-    if device is not None:
-        return torch.device(device)
-    kind = getattr(mesh, "device_type", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else (
-        torch.device(kind))
+def _device(device, mesh, problems: list[str]) -> torch.device:
+    """``device``, else the mesh's (CUDA: the current device), else CUDA when available; one
+    that cannot hold the weights named in ``problems`` (the CPU stands in for the checks)."""
+    try:
+        if device is not None:
+            device = torch.device(device)
+        else:
+            kind = (getattr(mesh, "device_type", None)
+                    or ("cuda" if torch.cuda.is_available() else "cpu"))
+            device = (torch.device("cuda", torch.cuda.current_device()) if kind == "cuda"
+                      and torch.cuda.is_available() else torch.device(kind))
+    except (RuntimeError, TypeError) as e:
+        problems.append(f"device {device!r}: {e}")
+        return torch.device("cpu")
+    if device.type == "meta":
+        problems.append("device meta holds no weights: load onto the CPU or a GPU")
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        problems.append(f"device {device}: CUDA is not available")
+    elif device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        problems.append(f"device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    elif device.type not in ("cpu", "cuda"):
+        problems.append(f"device {device}: the weights load onto the CPU or a CUDA device")
+    else:
+        return device
+    return torch.device("cpu")
 
 
 def _meta_model(config, dtype: torch.dtype) -> nn.Module:
@@ -180,14 +198,16 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
         before any weight is read; under torchrun on every rank of the mesh alike (with the
         other ranks' problems, or the settings, dtype or config that differ between ranks).
     """
-    path, device = Path(path), _device(device, mesh)
+    device_problems: list[str] = []
+    path, device = Path(path), _device(device, mesh, device_problems)
     arguments = dict(mode=mode, context_parallel=context_parallel, backend=backend,
                      page_size=page_size)
     if not (path / "config.json").is_file():
-        _refuse(path, ["not a directory with a config.json (a local checkpoint; download one "
-                       "with huggingface_hub.snapshot_download)"], None, mesh, device, arguments)
+        _refuse(path, device_problems + [
+            "not a directory with a config.json (a local checkpoint; download one with "
+            "huggingface_hub.snapshot_download)"], None, mesh, device, arguments)
     leaves, file_problems = read_headers(path)
-    problems = list(file_problems)
+    problems = device_problems + list(file_problems)
     config, model = None, None
     try:
         config = transformers.AutoConfig.from_pretrained(path)
