@@ -8,8 +8,9 @@
   ``--suffix`` (256) token suffixes, ``--new-tokens`` each: the first alone (it prefills the
   prefix: ``first_ttft_s``), then the others at once when its first token is out; their time to
   first token (median, p99, last) and the total, ``prefix_caching`` off then on (one engine
-  each, the cache empty at the start). A cached page is shared once its KV is written, so
-  requests admitted together with the first would all prefill the prefix. Under torchrun with
+  each, the cache empty at the start). A cached page is shared once its KV is written (requests
+  submitted with the first wait for that, with caching on: the scheduler's
+  ``_waits_for_prefix``), so the first's time is measured alone. Under torchrun with
   2 ranks: SP mode, P = 2.
 - ``poisson``: requests arriving as a Poisson process (``--rate`` per second, prompts of
   ``--prompt`` tokens), each submitted when its arrival time has passed, between steps of

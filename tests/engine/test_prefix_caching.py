@@ -94,6 +94,18 @@ def test_caching_keeps_tokens_in_one_run_and_across_runs(model, reference):
     assert all(s % PAGE == 0 and s < len(p) for s, p in zip(starts1 + starts2, PROMPTS * 2))
 
 
+def test_prompts_admitted_together_share_their_prefix(model, reference):
+    """With room for every prompt at once they were all admitted in the first step, and each
+    prefilled the common prefix (helper 69). Now the others wait until the first one's prefix
+    pages commit, then share them (as SGLang's in-batch prefix caching)."""
+    engine = Engine(model, 64, PAGE, BUDGET, prefix_caching=True)
+    rows, _ = _watch(engine)
+    assert [r.token_ids for r in engine.run(PROMPTS, NEW)] == reference
+    starts = first_starts(rows, len(PROMPTS))
+    assert starts[0] == 0 and all(s >= 20 for s in starts[1:]), starts
+    assert engine.prefilled_tokens == _prefilled(rows) == sum(map(len, PROMPTS)) - sum(starts)
+
+
 def test_caching_with_steps_launched_ahead_keeps_tokens(model, reference):
     engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True, prefix_caching=True)
     for _ in range(2):

@@ -109,10 +109,10 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         cuda_graphs: replay decode steps from CUDA graphs captured per batch-size bucket (CUDA;
             captured before the first step, with page tables as wide as the longest request).
         compile, overlap_planning: see ``Engine``.
-        prefix_caching: a prompt sharing a prefix of full pages with a prompt already
-            prefilled (in an earlier call, or admitted at an earlier step: one that does not
-            fit the first step's pool) prefills only the rest (see ``Engine``); prompts admitted
-            together each prefill it. The tokens are the same.
+        prefix_caching: prompts sharing a prefix of full pages prefill it once (see
+            ``Engine``): a prompt whose prefix another is prefilling waits until those pages
+            are written, then shares them (a hybrid model's prompts share only prefixes
+            already cached, at a state checkpoint). The tokens are the same.
         logprobs: k: each generated token's log-probability and the k most likely tokens'
             (``Result.logprobs``, ``RequestOutput.logprobs``).
         stream: return an iterator of ``RequestOutput`` (``request_id``: the prompt's index)

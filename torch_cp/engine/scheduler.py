@@ -15,7 +15,9 @@ With a ``PrefixCachingAllocator`` a request is admitted through ``admit``: its t
 the cached pages of its prompt's longest cached prefix, it starts with those tokens ``cached``
 (only the rest is prefilled), and its admission is charged ``admission_pages`` (the pages it
 allocates plus the shared pages that stop being evictable), so the same promise holds. After a
-step commits, the full pages it wrote are registered for later requests to share.
+step commits, the full pages it wrote are registered for later requests to share; a waiting
+request whose prefix a running request is still prefilling waits for those pages (admitted at
+once, it would prefill them too).
 
 A hybrid model's requests reuse a cached prefix only up to a state checkpoint (``kv/
 state_checkpoints.py``). Its prompts' prefill chunks end at page boundaries, at the prompt's
@@ -28,8 +30,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from torch_cp.engine.checkpoint_chunks import checkpoint_end, checkpoint_keys
 from torch_cp.kv.allocator import PageAllocator
-from torch_cp.kv.prefix_cache import PrefixCachingAllocator, page_keys
+from torch_cp.kv.prefix_cache import (  # noqa: F401 (writes_shared_page: imported from here)
+    PrefixCachingAllocator,
+    page_keys,
+    writes_shared_page,
+)
 
 
 @dataclass
@@ -132,7 +139,26 @@ class Scheduler:
             return False
         if self.allocator.state_slots and not self.allocator.free_state_slots:
             return False  # a hybrid model's running requests hold every state slot
-        return self._admission_pages(self.waiting[0]) <= available_pages
+        return (self._admission_pages(self.waiting[0]) <= available_pages
+                and not self._waits_for_prefix(self.waiting[0]))
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        """With prefix caching, whether ``request`` waits for a running request still
+        prefilling pages of its prompt's prefix that the cache does not hold yet: admitted now
+        it would prefill them too; once they commit it shares them (as SGLang's in-batch prefix
+        caching). Not a hybrid model's (its requests share only at state checkpoints)."""
+        if not self.caching or self.checkpointing:
+            return False
+        keys, page = self._keys(request), self.allocator.page_size
+        cached = len(self.allocator.lookup(request.prompt, keys=keys))
+        shareable = (len(request.prompt) - 1) // page  # lookup's limit: the last token computed
+        for other in self.running.values():
+            if not other.decoding:
+                common = next((i for i, (a, b) in enumerate(zip(keys, self._keys(other)))
+                               if a != b), min(len(keys), len(other.prompt) // page))
+                if min(common, shareable) > cached:
+                    return True
+        return False
 
     def _admission_pages(self, request: Request) -> int:
         """How much admitting ``request`` lowers free pages less promised pages."""
@@ -185,7 +211,7 @@ class Scheduler:
             assert n >= 1, "a running request always has a token to feed"
             end = request.cached + n
             if self.checkpointing and not request.decoding:
-                end = self._checkpoint_end(request, end)
+                end = checkpoint_end(request, end, self.allocator.page_size)
             rows.append(Row(request.index, request.cached, end - request.cached,
                             samples=end == len(request.tokens)))
             reserved = self.allocator.reserve(request.index, end)
@@ -193,33 +219,12 @@ class Scheduler:
             budget -= end - request.cached
         return rows
 
-    def _checkpoint_end(self, request: Request, end: int) -> int:
-        """Where a hybrid model's prefill chunk of ``request`` ending at ``end`` stops instead:
-        where its cached prefix ends, if past its checkpoint (the next prompt sharing that
-        prefix starts from the state taken there), or at the prompt's last page boundary a
-        later prompt could share (inside ``prompt[:-1]``), if it would pass either; else at a
-        page boundary if it stops short of the prompt's end."""
-        page, start = self.allocator.page_size, request.cached
-        last = (len(request.prompt) - 1) // page * page
-        for boundary in (request.cached_prefix_end, last):
-            if start < boundary < end:
-                return boundary
-        if end < len(request.prompt) and end // page * page > start:
-            return end // page * page
-        return end
-
     def checkpoint_keys(self, rows: list[Row]) -> list[tuple[int, bytes]]:
         """(request, page key) of the rows of a hybrid model's step that end a prompt's page:
         where the step leaves a state worth keeping as a checkpoint."""
         if not self.checkpointing:
             return []
-        page, keys = self.allocator.page_size, []
-        for row in rows:
-            request = self.running[row.request]
-            end = row.start + row.length
-            if end % page == 0 and 0 < end <= len(request.prompt) and not request.decoding:
-                keys.append((row.request, self._keys(request)[end // page - 1]))
-        return keys
+        return checkpoint_keys(rows, self.running, self.allocator.page_size, self._keys)
 
     def next_decode_rows(self, rows: list[Row]) -> list[Row] | None:
         """What ``schedule`` will return after ``rows`` commit, if no request stops at an EOS
@@ -290,9 +295,3 @@ class Scheduler:
         self.waiting.clear()
         self.allocator.release_all()  # also what an interrupt left half taken or returned
 
-
-def writes_shared_page(allocator: PageAllocator, rows: list[Row]) -> bool:
-    """Whether a row of ``rows`` would write into a cached page (read-only: another request
-    may share it)."""
-    return isinstance(allocator, PrefixCachingAllocator) and any(
-        r.start < allocator.read_only_pages(r.request) * allocator.page_size for r in rows)

@@ -277,3 +277,10 @@ class PrefixCachingAllocator(PageAllocator):
             else:
                 self._lru[page] = None
         self._free.extend(reversed(freed))
+
+
+def writes_shared_page(allocator, rows) -> bool:
+    """Whether a row of ``rows`` would write into a cached page (read-only: another request
+    may share it)."""
+    return isinstance(allocator, PrefixCachingAllocator) and any(
+        r.start < allocator.read_only_pages(r.request) * allocator.page_size for r in rows)
