@@ -32,16 +32,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("auto", "tp", "sp"), default="auto",
                    help="partners: TP ranks sharing a KV head, or the SP ranks (auto: sp when "
                    "--sp > 1, else tp)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--sp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (default: 1; tp x sp = the torchrun world)")
+    p.add_argument("--sp", type=int, default=1,
+                   help="sequence-parallel ranks, each holding the whole model (default: 1)")
     p.add_argument("--backend", default="torch",
                    help=f"attention backend ({', '.join(BACKEND_NAMES)}; default: torch)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens-per-step", type=int, default=DEFAULT_TOKENS_PER_STEP)
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens a logical page holds, a multiple of P (default: 16)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample within this probability mass")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (default: 0)")
+    p.add_argument("--max-tokens-per-step", type=int, default=DEFAULT_TOKENS_PER_STEP,
+                   help=f"a step's token budget; longer prompts prefill in chunks (default: "
+                        f"{DEFAULT_TOKENS_PER_STEP})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model dtype (default: float32 for the tiny model and for a checkpoint on "
                    "the CPU, bfloat16 for a checkpoint on CUDA)")
@@ -54,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="plan each decode step while the previous one runs")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes P, mode, world, the KV bytes "
                    "per rank and every request's prompt, tokens and text to PATH")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
