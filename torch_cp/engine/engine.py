@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from torch_cp.agreement import across_ranks, agree_over, fingerprint
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
@@ -135,6 +137,7 @@ class Engine(BatchRuns, Serving):
         self.state = new_state_pool(self.runtime, state_slots + checkpoints)
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
         self.broadcast = across_ranks(self.runtime.spans_ranks)
+        self.decides = not self.broadcast or dist.get_rank() == 0  # serving's: rank 0, or alone
         self.overlap_planning = overlap_planning
         self.steps = 0
         self.prefilled_tokens = 0  # prompt tokens the model ran (prefix-cached ones excluded)

@@ -94,7 +94,7 @@ class Serving:
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
         # Another rank's submissions are ignored (rank 0's reach it): it makes no criterion.
-        numbers = bool(stop_strings) and (not self.broadcast or dist.get_rank() == 0)
+        numbers = bool(stop_strings) and self.decides
         stop = self._stop_strings.number(tokenizer, stop_strings) if numbers else None
         options = _Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
                            logprobs)
@@ -178,7 +178,7 @@ class Serving:
         """Rank 0's pending submissions and aborts, on every rank (with the stop-string
         criteria they name that it has not sent before)."""
         pending, self._pending = self._pending, []
-        if not self.broadcast or dist.get_rank() == 0:  # the one that numbers the criteria
+        if self.decides:  # the one that numbers the criteria
             self._stop_strings.forget_idle({o.stop for o in self._options.values()} | {
                 op[4].stop for op in pending if op[0] == "submit"})
         changes = self._stop_strings.unsent()
@@ -186,7 +186,7 @@ class Serving:
             box = [(pending, changes)]
             dist.broadcast_object_list(box, src=0)
             pending, changes = box[0]
-            if dist.get_rank() != 0:
+            if not self.decides:
                 self._stop_strings.learn(changes)
             self._next_id = max([self._next_id] + [p[1] + 1 for p in pending if p[0] == "submit"])
         return pending

@@ -257,12 +257,13 @@ def _agreed_generate(self, *args, **kwargs):
 
 def _named(function, self, args, kwargs) -> dict:
     """The arguments of ``function(self, *args, **kwargs)`` by name (its ``**kwargs`` spread)."""
+    signature = inspect.signature(function)
     try:
-        bound = inspect.signature(function).bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs).arguments
     except TypeError:  # generate raises it, alike on ranks called alike
         return {"positional arguments": args, **kwargs}
     spread = {}
-    for name, param in inspect.signature(function).parameters.items():
+    for name, param in signature.parameters.items():
         if name in bound and param.kind == inspect.Parameter.VAR_KEYWORD:
             spread |= bound.pop(name)
     return {k: v for k, v in bound.items() if k != "self"} | spread

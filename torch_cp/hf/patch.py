@@ -108,32 +108,33 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
     runtime = ModelRuntime(placement, exchange, attn_backend, geometry, len(attns), s.dtype,
                            s.device, s.page_size, s.tp, tp_rank, tp_group, family)
     for pool_layer, attn in enumerate(attns):  # the pool's layers: the attention layers only
-        runtime.originals.append((attn, attn.__dict__.get("forward", _ABSENT)))
         fuse_in_projections(attn)
         attn.cp_attention = ContextParallelAttention(pool_layer, attn_backend, exchange)
-        attn.forward = patched_forward(family, attn)
+        _replace_forward(runtime, attn, patched_forward(family, attn))
     if linears:
         runtime.linear = family.linear_geometry(model.config, s.tp)
         runtime.linear_kernels = linear_kernels(attn_backend.name)
     for state_layer, mod in enumerate(linears):
-        runtime.originals.append((mod, mod.__dict__.get("forward", _ABSENT)))
         fuse_in_projections(mod)
         mod.cp_state = LinearStateLayer(state_layer, runtime.linear_kernels)
-        mod.forward = patched_linear_forward(family, mod)
+        _replace_forward(runtime, mod, patched_linear_forward(family, mod))
     for mlp in gated_mlps(model):
-        runtime.originals.append((mlp, mlp.__dict__.get("forward", _ABSENT)))
-        mlp.forward = fuse_gate_up(mlp)
+        _replace_forward(runtime, mlp, fuse_gate_up(mlp))
     if experts_modules(model):
         register_fused(s.device)  # so "torch_cp_fused" can be set by name
     for linear in gemv.plain_linears(model):
-        runtime.originals.append((linear, linear.__dict__.get("forward", _ABSENT)))
-        linear.forward = gemv.forward_of(linear)
+        _replace_forward(runtime, linear, gemv.forward_of(linear))
     for router, forward in kernel_routers(model, s.device):
-        runtime.originals.append((router, router.__dict__.get("forward", _ABSENT)))
-        router.forward = forward
+        _replace_forward(runtime, router, forward)
     model.torch_cp = runtime
     model_generate.install_generate(model)
     return model
+
+
+def _replace_forward(runtime: ModelRuntime, module: nn.Module, forward) -> None:
+    """Install ``forward`` on ``module``, keeping the forward it had for ``unpatch_model``."""
+    runtime.originals.append((module, module.__dict__.get("forward", _ABSENT)))
+    module.forward = forward
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
