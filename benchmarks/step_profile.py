@@ -56,9 +56,11 @@ class _Timed:
         setattr(self.owner, self.name, self.fn)
 
 
-def phases(runner, ids, q_lens, ctx_lens, tables, rows, iters: int) -> dict[str, float]:
+def phases(runner, ids, q_lens, ctx_lens, tables, rows, state_slots, iters: int
+           ) -> dict[str, float]:
     """Mean milliseconds of each host phase of ``runner.prepare`` + ``runner.launch``, the
-    wait for the replay and the token's trip to the host."""
+    wait for the replay and the token's trip to the host (``state_slots``: a hybrid model's
+    slot of each row, else None)."""
     bucket = runner.bucket_for(q_lens, max(len(t) for t in tables))
     static = runner.captured[bucket].static
     total = dict.fromkeys(("prepare", "launch", "wait", "token"), 0.0)
@@ -66,7 +68,7 @@ def phases(runner, ids, q_lens, ctx_lens, tables, rows, iters: int) -> dict[str,
             _Timed(runner.cache, "begin_step") as backend_plan:
         for _ in range(iters):
             t = [time.perf_counter()]
-            prepared = runner.prepare(q_lens, ctx_lens, tables)
+            prepared = runner.prepare(q_lens, ctx_lens, tables, state_slots)
             t.append(time.perf_counter())
             logits = runner.launch(prepared, ids, rows)
             t.append(time.perf_counter())
@@ -180,13 +182,17 @@ def main() -> None:
     engine = torch_cp.Engine(model, args.batch * width, PAGE, max_rows=args.batch,
                              cuda_graphs=True, max_pages_per_row=width, compile=args.compile)
     setup_s = time.perf_counter() - start
+    hybrid = engine.state is not None
     for row in range(args.batch):
         assert engine.allocator.reserve(row, args.context + 1)
+        if hybrid:  # its state slot, as the scheduler gives one at admission
+            engine.allocator.take_state_slot(row)
     tables = [engine.allocator.table_tensor(r) for r in range(args.batch)]
     rows = list(range(args.batch))
     ids = [1 if args.tokens == "same" else 1 + 7919 * r % 30000 for r in range(args.batch)]
     step = dict(ids=ids, q_lens=[1] * args.batch, ctx_lens=[args.context] * args.batch,
-                tables=tables, rows=rows)
+                tables=tables, rows=rows,
+                state_slots=[engine.allocator.state_slot(r) for r in rows] if hybrid else None)
     runner = engine.runner
     phases(runner, **step, iters=3)
     host = phases(runner, **step, iters=args.iters)

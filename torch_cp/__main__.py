@@ -23,11 +23,12 @@ import torch
 
 from torch_cp.cli_args import UsageError, argument_problems, parse_args
 from torch_cp.engine import SamplingParams
-from torch_cp.engine.generation import engine_for
+from torch_cp.engine.generation import engine_for, never_fit_hints
 
 DEFAULT_PROMPTS = ("The capital of France is", "Hello")  # the tiny model's, through its tokenizer
+# For a checkpoint without a usable tokenizer: ids under 128, within any tiny test vocabulary.
 DEFAULT_TOKEN_PROMPTS = ([1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73],
-                         [200, 3, 150, 7, 99])  # a checkpoint without a usable tokenizer
+                         [100, 3, 50, 7, 99])
 TINY_NOTE = ("the default model is a tiny Qwen3 with random weights: its tokens and text are "
              "meaningless (pass --model PATH for a real checkpoint)")
 
@@ -141,13 +142,15 @@ def main(argv=None) -> int:
     prompts = prompts_of(args, tokenizer)
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
-    eng = engine_for(model, prompts, news, args.page_size,
+    eng, cap = engine_for(model, prompts, news, args.page_size,
                      max_tokens_per_step=args.max_tokens_per_step,
                      cuda_graphs=args.cuda_graphs, compile=args.compile,
                      overlap_planning=args.overlap_planning, progress=not args.no_progress)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    results = eng.run_tokens(prompts, news, sampling, eos_ids(model, None, tokenizer),
-                             progress=not args.no_progress, tokenizer=tokenizer)
+    results = never_fit_hints(
+        eng.run_tokens(prompts, news, sampling, eos_ids(model, None, tokenizer),
+                       progress=not args.no_progress, tokenizer=tokenizer),
+        prompts, news, args.page_size, cap)
     kv, state = [eng.kv_bytes], [eng.state_bytes]  # state: hybrid models' linear attention
     if dist.is_initialized():
         kv, state = [None] * dist.get_world_size(), [None] * dist.get_world_size()

@@ -83,7 +83,7 @@ def test_bad_requests_fail_alone_and_every_page_returns(model, reference):
     errors = {r.index: r.error for r in results}
     assert "empty prompt" in errors[1]
     assert f"outside the vocabulary [0, {TINY_VOCAB}): -1, {TINY_VOCAB}" in errors[2]
-    assert "more than the pool can ever hold (96)" in errors[4]
+    assert "more than the pool can ever hold (96 tokens)" in errors[4]
     assert "max_new_tokens must be >= 1, got 0" in errors[5]
 
 

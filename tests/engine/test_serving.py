@@ -335,10 +335,20 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     with pytest.raises(ValueError) as caught:
         e.submit(PROMPTS[1], NEW, sampling={"temperature": 0.5}, stop_token_ids=["7"],
                  stop_strings=[""], logprobs=vocab + 1)
-    for named in ("sampling must be a SamplingParams", "stop_token_ids must be ints",
-                  "stop_strings must be non-empty strs", "stop_strings need a tokenizer",
+    for named in ("sampling must be a SamplingParams", "stop_token_ids must be an int or ints",
+                  "stop_strings must be a non-empty str or such strs",
+                  "stop_strings need a tokenizer",
                   f"logprobs must be None or an int in [0, {vocab}]"):
         assert named in str(caught.value)
+    # what is neither one nor a collection is named (helper 70: a TypeError)
+    with pytest.raises(ValueError) as caught:
+        e.submit(PROMPTS[1], "x", stop_token_ids=2.0, stop_strings=7, logprobs=-1)
+    for named in ("stop_token_ids must be an int or ints, got 2.0",
+                  "stop_strings must be a non-empty str or such strs, got 7",
+                  "max_new_tokens must be an int", "logprobs"):
+        assert named in str(caught.value)
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer, got a str"):
+        e.submit(PROMPTS[1], NEW, stop_strings="x", tokenizer="not a tokenizer")
     for k in (True, -1, 2.0):
         with pytest.raises(ValueError, match="logprobs"):
             e.submit(PROMPTS[1], NEW, logprobs=k)
@@ -352,6 +362,16 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     assert not e.has_unfinished()
     assert e.submit(PROMPTS[1], NEW, logprobs=vocab) == 0  # the whole vocabulary is allowed
     assert e.submit(torch.tensor(PROMPTS[1]), NEW) == 1  # no id was spent on a refusal
+
+
+def test_none_for_the_stop_options_is_no_stops():
+    e = engine()
+    ids = [e.submit(PROMPTS[1], NEW, stop_token_ids=None, stop_strings=None),
+           e.submit(PROMPTS[1], NEW)]
+    tokens = {i: [] for i in ids}
+    for out in e.stream():
+        tokens[out.request_id] += out.token_ids
+    assert tokens[ids[0]] == tokens[ids[1]] and len(tokens[ids[0]]) == NEW
 
 
 def test_run_and_generate_refuse_bad_logprobs_before_anything_runs(monkeypatch):

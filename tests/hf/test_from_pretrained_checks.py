@@ -235,6 +235,29 @@ def test_tied_embeddings_saved_as_the_lm_head_load_as_transformers_loads_them(ch
         assert torch.equal(got.state_dict()[key], tensor), key
 
 
+@pytest.mark.parametrize("head", ["equal", "different"])
+def test_tied_embeddings_saved_under_both_names_load_as_transformers_loads_them(
+        checkpoints, tmp_path, head, caplog):
+    """A config that ties the embeddings and a checkpoint holding both: transformers ties them
+    when the two tensors are equal, and otherwise keeps them apart (with a warning)."""
+    def both(tensors):
+        embed = tensors["model.embed_tokens.weight"]
+        tensors["lm_head.weight"] = embed.clone() if head == "equal" else torch.randn_like(embed)
+    path = _rewrite(checkpoints["qwen3"], tmp_path / "ckpt", both)
+    want = transformers.AutoModelForCausalLM.from_pretrained(path)
+    got = torch_cp.from_pretrained(path, device="cpu")
+    tied = head == "equal"
+    assert (want.lm_head.weight is want.model.embed_tokens.weight) == tied  # the reference
+    assert (got.lm_head.weight is got.model.embed_tokens.weight) == tied
+    assert ("not tied" in caplog.text) == (not tied)
+    for key, tensor in want.state_dict().items():
+        assert torch.equal(got.state_dict()[key], tensor), key
+    prompt = [3, 1, 4, 1, 5]
+    want_tokens = want.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+    got_tokens = torch_cp.generate(got, [prompt], 4, progress=False)[0].token_ids
+    assert list(got_tokens) == want_tokens[0, len(prompt):].tolist()
+
+
 def test_a_parameter_left_on_meta_is_named(checkpoints, tmp_path, monkeypatch):
     cls = transformers.Qwen3ForCausalLM
     monkeypatch.setattr(cls, "_keys_to_ignore_on_load_missing", [r"model\.norm\.weight"])

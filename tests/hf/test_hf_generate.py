@@ -114,6 +114,24 @@ def test_uninstall_restores_the_plain_generate():
                        ref.generate(ids, max_new_tokens=4, do_sample=False))
 
 
+def test_unpatch_puts_back_what_the_instance_had_under_generate():
+    """A wrapper set on the instance before patching is the instance's again after unpatching
+    (patching replaced it, as it replaces the attention forwards)."""
+    import types
+
+    m = tiny_qwen3()
+    calls = []
+
+    def wrapped(self, *args, **kwargs):
+        calls.append(len(args))
+        return type(self).generate(self, *args, **kwargs)
+    m.generate = wrapper = types.MethodType(wrapped, m)
+    torch_cp.unpatch_model(torch_cp.patch_model(m))
+    assert m.generate == wrapper and "_prepare_cache_for_generation" not in m.__dict__
+    m.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=2, do_sample=False)
+    assert calls == [1]
+
+
 def test_a_direct_forward_with_positional_mask_uses_the_plan(model):
     """model(ids, mask, cache=GenerateCache) outside generate: the hook plans from the mask too;
     the real tokens' logits equal the unpatched model's (float32, summed in another order)."""

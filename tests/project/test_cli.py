@@ -250,3 +250,14 @@ def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
     state = record["state_bytes_per_rank"]
     assert state[0] > 0 and f"KV bytes rank 0: {record['kv_bytes_per_rank'][0]}, " \
         f"linear-attention state bytes: {state[0]}" in out
+
+
+def test_a_request_that_can_never_fit_says_what_memory_holds(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--max-new-tokens", str(10**12), "--no-progress"])
+    assert exit_.value.code == 1  # a request failed
+    out = capsys.readouterr().out
+    refusals = [line for line in out.splitlines() if line.startswith("request ")]
+    assert len(refusals) == len(DEFAULT_PROMPTS)
+    assert all("error: " in line and "can never fit: free memory holds a pool of at most"
+               in line for line in refusals), out

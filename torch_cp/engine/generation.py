@@ -32,12 +32,15 @@ from torch_cp.runtime import runtime_and_problems, runtime_of
 
 
 def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,
-               num_pages: int | None = None, **engine_kwargs) -> Engine:
+               num_pages: int | None = None, **engine_kwargs) -> tuple[Engine, int | None]:
     """An ``Engine`` for token-id ``prompts`` with ``news`` new tokens each: a pool of
     ``num_pages`` (default: every request's whole lifetime, capped by free memory) and captured
     buckets as wide as the longest request, rounded up to a power of two: the backend keeps one
     kernel set per bucket shape for the model's life, so calls whose longest requests differ a
-    little share them. ``engine_kwargs`` go to ``Engine``."""
+    little share them. ``engine_kwargs`` go to ``Engine``. Returns the engine and the cap free
+    memory put on its pool, in pages (None: ``num_pages`` given, or the free memory unknown),
+    for ``never_fit_hints``."""
+    cap = None
     if num_pages is None:
         cap = memory_cap_pages(runtime_of(model), page_size,
                                _state_reserve(model, engine_kwargs))
@@ -45,7 +48,7 @@ def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], pag
     widest = max((lifetime_pages(p, n, page_size) for p, n in zip(prompts, news)), default=1)
     width = 1 << (widest - 1).bit_length()
     return Engine(model, num_pages, page_size, max_pages_per_row=min(width, num_pages),
-                  **engine_kwargs)
+                  **engine_kwargs), cap
 
 
 def _state_reserve(model, engine_kwargs: dict) -> int:
@@ -155,12 +158,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         page_size=page_size, max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
         compile=compile, overlap_planning=overlap_planning, prefix_caching=prefix_caching,
         stream=stream))
-    cap = memory_cap_pages(runtime, page_size, state_pool_bytes(
-        runtime, prefix_caching=prefix_caching)) if num_pages is None else None
     lives = [max(n, 1) for n in news]
-    if num_pages is None:
-        num_pages = default_num_pages(token_prompts, lives, page_size, cap)
-    engine = engine_for(model, token_prompts, lives, page_size, num_pages,
+    engine, cap = engine_for(model, token_prompts, lives, page_size, num_pages,
                         max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
                         compile=compile, overlap_planning=overlap_planning, progress=progress,
                         prefix_caching=prefix_caching, _agreed=True)  # its arguments: above
@@ -174,15 +173,18 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     # Agreed above, on a fresh engine: not again (run_tokens would gather once more).
     results = engine.run_agreed(token_prompts, news, sampling, eos, progress, tokenizer,
                                 logprobs)
+    return never_fit_hints(results, token_prompts, lives, page_size, cap)
+
+
+def never_fit_hints(results: Sequence[Result], prompts: Sequence[Sequence[int]],
+                    news: Sequence[int], page_size: int, cap: int | None) -> list[Result]:
+    """``results`` with the reason added to each refusal of a request that can never fit: its
+    lifetime needs more than the ``cap`` pages free memory gave the pool (``engine_for``)."""
     if cap is None:
-        return results
-    return [_never_fits(r, cap, page_size)
-            if not r.ok and lifetime_pages(p, n, page_size) > cap else r
-            for r, p, n in zip(results, token_prompts, lives)]
-
-
-def _never_fits(result: Result, cap: int, page_size: int) -> Result:
+        return list(results)
     why = (f"; it can never fit: free memory holds a pool of at most {cap} pages "
            f"({cap * page_size} tokens)")
-    return dataclasses.replace(result, error=result.error + why)
+    return [dataclasses.replace(r, error=r.error + why)
+            if not r.ok and lifetime_pages(p, max(n, 1), page_size) > cap else r
+            for r, p, n in zip(results, prompts, news)]
 

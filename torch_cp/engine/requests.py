@@ -95,7 +95,7 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capaci
     if needed > capacity:
         problems.append(f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) "
                         f"needs {needed} cached tokens, more than the pool can ever hold "
-                        f"({capacity})")
+                        f"({capacity} tokens)")
     return "; ".join(problems) or None
 
 

@@ -36,7 +36,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
-from torch_cp.engine.stops import StopStrings
+from torch_cp.engine.stops import StopStrings, stops_of
 
 
 @dataclass
@@ -61,8 +61,9 @@ class Serving:
         self._undelivered: deque[RequestOutput] = deque()  # a stream's consumer stopped early
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int = 16,
-               sampling: SamplingParams | None = None, stop_token_ids: int | Sequence[int] = (),
-               stop_strings: str | Sequence[str] = (), tokenizer=None,
+               sampling: SamplingParams | None = None,
+               stop_token_ids: int | Sequence[int] | None = (),
+               stop_strings: str | Sequence[str] | None = (), tokenizer=None,
                logprobs: int | None = None) -> int:
         """Queue a request (token ids) for the next step; returns its id. A bad request (see
         ``check_request``) ends at that step with ``finish_reason="error"``; bad options raise a
@@ -70,10 +71,8 @@ class Serving:
         is one stop string and an int one stop token id (as transformers takes them). The
         model's EOS ends a request only as one of its ``stop_token_ids`` (``finish_reason``
         ``"stop"``; ``generate(stream=True)`` passes them)."""
-        stop_token_ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else \
-            tuple(stop_token_ids)
-        stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
         problems = []
+        stop_token_ids, stop_strings = stops_of(stop_token_ids, stop_strings, tokenizer, problems)
         token_ids = token_ids_of(prompt)
         if token_ids is None:
             problems.append(f"prompt must be a sequence of token ids (ints), got "
@@ -82,12 +81,6 @@ class Serving:
             problems.append(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             problems.append(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-            problems.append(f"stop_token_ids must be ints, got {stop_token_ids!r}")
-        if not all(isinstance(t, str) and t for t in stop_strings):
-            problems.append(f"stop_strings must be non-empty strs, got {stop_strings!r}")
-        if stop_strings and tokenizer is None:
-            problems.append("stop_strings need a tokenizer")
         problem = logprobs_problem(logprobs, vocab_size(self.model))
         if problem:
             problems.append(problem)

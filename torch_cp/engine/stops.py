@@ -1,5 +1,5 @@
-"""Stop strings of the serving API: transformers' ``StopStringCriteria``, made once and known by
-a number.
+"""Stops of the serving API: its stop options read, and stop strings as transformers'
+``StopStringCriteria``, made once and known by a number.
 
 Making a criterion walks the tokenizer's whole vocabulary (0.5-1.3 s for 150k tokens) and the
 result pickles to about 4 MB, while requests mostly share their stop strings. So a criterion is
@@ -10,6 +10,35 @@ under a new number, when a request names it again).
 """
 
 from __future__ import annotations
+
+
+def stops_of(stop_token_ids, stop_strings, tokenizer, problems: list[str]
+             ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """A submission's stop token ids and stop strings as tuples (an int is one id, a str one
+    string, as transformers takes them; None is none), each problem added to ``problems``."""
+    ids, strings = _as_tuple(stop_token_ids, int), _as_tuple(stop_strings, str)
+    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        problems.append(f"stop_token_ids must be an int or ints, got {stop_token_ids!r}")
+        ids = ()
+    if (strings or stop_strings) and not callable(getattr(tokenizer, "get_vocab", None)):
+        problems.append("stop_strings need a tokenizer" + (
+            "" if tokenizer is None else f", got a {type(tokenizer).__name__}"))
+    if strings is None or not all(isinstance(t, str) and t for t in strings):
+        problems.append(f"stop_strings must be a non-empty str or such strs, got "
+                        f"{stop_strings!r}")
+        strings = ()
+    return ids, strings
+
+
+def _as_tuple(value, one: type) -> tuple | None:
+    if value is None:
+        return ()
+    if isinstance(value, one):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:  # neither one nor a collection of them
+        return None
 
 # Criteria no live request names, kept for the next requests that name them (the ones used last).
 IDLE_KEPT = 8

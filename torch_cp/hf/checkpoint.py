@@ -161,7 +161,7 @@ def map_checkpoint(model: nn.Module, leaves: dict[str, Leaf]
             trees[name] = _converted(converter, sources)
         except ValueError as e:
             problems.append(str(e))
-    for names in _tied_names(model):  # a tied weight saved under another of its names
+    for names in tied_names(model):  # a tied weight saved under another of its names
         saved = next((plain[n] for n in names if n in plain), None)
         if names[0] not in trees and saved is not None:
             trees[names[0]] = saved
@@ -200,7 +200,7 @@ def _numbering_problems(name: str, sources: dict[str, list[Leaf]]) -> list[str]:
     return problems
 
 
-def _tied_names(model: nn.Module) -> list[list[str]]:
+def tied_names(model: nn.Module) -> list[list[str]]:
     """The names of each parameter held under several (tied embeddings), the first the one
     ``named_parameters`` gives."""
     names: dict[int, list[str]] = {}

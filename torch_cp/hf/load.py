@@ -30,6 +30,7 @@ context parallelism needs.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -40,11 +41,13 @@ from safetensors import safe_open
 from torch import nn
 
 from torch_cp.fused_linear import fused_storage
-from torch_cp.hf.checkpoint import map_checkpoint, read_into
+from torch_cp.hf.checkpoint import map_checkpoint, read_into, tied_names
 from torch_cp.hf.checkpoint_files import read_headers
 from torch_cp.hf.patch import patch_validated, shard_model
 from torch_cp.hf.validate import DTYPES, agree_on_model, patch_problems
 from torch_cp.tp import SHARD_ATTR, shard_of
+
+log = logging.getLogger("torch_cp")
 
 # safetensors' names of the floating dtypes a checkpoint's weights come in
 FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -149,6 +152,33 @@ def _load(model: nn.Module, trees: dict, files: _Files, device: torch.device) ->
                     slots[key] = loaded[id(value)]
 
 
+def _untie_saved_apart(model: nn.Module, leaves: dict, files: _Files) -> list[str]:
+    """Untie each tied parameter (tied embeddings) that the checkpoint holds under two of its
+    names with different values, as transformers' loader does (with a warning: the config's
+    ``tie_word_embeddings`` is wrong); the names untied. Reads those two tensors, only then."""
+    untied = []
+    for names in tied_names(model):
+        saved = [n for n in names if n in leaves]
+        if len(saved) < 2:
+            continue
+        first = files(leaves[saved[0]].file).get_tensor(saved[0])
+        for name in saved[1:]:
+            if torch.equal(first, files(leaves[name].file).get_tensor(name)):
+                continue
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            old = getattr(module, attr)
+            setattr(module, attr, nn.Parameter(torch.empty_like(old, device="meta"),
+                                               requires_grad=old.requires_grad))
+            getattr(model, "all_tied_weights_keys", {}).pop(name, None)
+            untied.append(name)
+            log.warning("torch_cp.from_pretrained: the config ties %s to %s, but the checkpoint "
+                        "holds both with different values, so they are not tied (as "
+                        "transformers loads it); set tie_word_embeddings=False in its config",
+                        name, saved[0])
+    return untied
+
+
 def _loaded_problems(model: nn.Module, dtype: torch.dtype, tied: bool) -> list[str]:
     problems = [f"{n} is still on the meta device" for n, p in
                 (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
@@ -224,7 +254,6 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
                             f"{e}")
     if model is None:
         _refuse(path, problems, None, mesh, device, arguments)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     settings, refused = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                        mode=mode, backend=backend, page_size=page_size,
                                        device=device)
@@ -232,6 +261,9 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     trees, key_problems = (map_checkpoint(model, leaves) if leaves or not file_problems
                            else ({}, []))
     _refuse(path, refused + problems + key_problems, model, mesh, device, arguments)
+    if _untie_saved_apart(model, leaves, _Files(path)):
+        trees, _ = map_checkpoint(model, leaves)  # the untied names read their own tensors
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     if settings.tp > 1:
         shard_model(model, settings, mesh)
     _load(model, trees, _Files(path), device)

@@ -219,12 +219,18 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     model_kwargs["cache"] = new_cache(self, rows, max_cache_length)
 
 
+_REPLACED = ("generate", compat.PREPARE_CACHE)  # instance attributes install_generate sets
+
+
 def install_generate(model) -> None:
     """Make ``model.generate`` use a ``GenerateCache`` (idempotent; ``patch_model`` calls it)."""
     if getattr(model, "_torch_cp_generate_installed", False):
         return
     model._torch_cp_generate_hook = model.register_forward_pre_hook(_plan_before_forward,
                                                                     with_kwargs=True)
+    # What the instance had under the names replaced (a wrapper set on it), for unpatch_model.
+    model._torch_cp_generate_before = {name: model.__dict__[name] for name in _REPLACED
+                                       if name in model.__dict__}
     compat.override_prepare_cache(model, _prepare_cache_for_generation)
     model.generate = types.MethodType(_agreed_generate, model)
     model._torch_cp_generate_installed = True
@@ -237,6 +243,7 @@ def uninstall_generate(model) -> None:
         hook.remove()
     compat.restore_prepare_cache(model)
     model.__dict__.pop("generate", None)
+    model.__dict__.update(model.__dict__.pop("_torch_cp_generate_before", {}))
     model.__dict__.pop("_torch_cp_generate_installed", None)
 
 
