@@ -11,6 +11,10 @@ from torch_cp.engine import SamplingParams
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP
 
 
+MODES = ("auto", "tp", "sp")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 class UsageError(ValueError):
     """A command line argparse refuses (exit code 2, as argparse's own)."""
 
@@ -29,9 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16, help="per prompt (default: 16)")
     p.add_argument("--context-parallel", action="store_true",
                    help="stripe the KV cache over the partners (P > 1)")
-    p.add_argument("--mode", choices=("auto", "tp", "sp"), default="auto",
-                   help="partners: TP ranks sharing a KV head, or the SP ranks (auto: sp when "
-                   "--sp > 1, else tp)")
+    p.add_argument("--mode", default="auto",
+                   help="partners: TP ranks sharing a KV head, or the SP ranks (auto, tp, sp; "
+                   "auto: sp when --sp > 1, else tp)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (default: 1; tp x sp = the torchrun world)")
     p.add_argument("--sp", type=int, default=1,
@@ -48,9 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-step", type=int, default=DEFAULT_TOKENS_PER_STEP,
                    help=f"a step's token budget; longer prompts prefill in chunks (default: "
                         f"{DEFAULT_TOKENS_PER_STEP})")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="model dtype (default: float32 for the tiny model and for a checkpoint on "
-                   "the CPU, bfloat16 for a checkpoint on CUDA)")
+    p.add_argument("--dtype", default=None,
+                   help=f"model dtype ({', '.join(DTYPES)}; default: float32 for the tiny model "
+                   "and for a checkpoint on the CPU, bfloat16 for a checkpoint on CUDA)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from captured CUDA graphs (CUDA)")
     p.add_argument("--compile", action="store_true",
@@ -89,10 +93,12 @@ def argument_problems(args, cuda: bool) -> list[str]:
         problems.append("--compile compiles the captured step: it needs --cuda-graphs")
     if args.tp < 1 or args.sp < 1:
         problems.append(f"--tp and --sp must be >= 1, got {args.tp} and {args.sp}")
-    if args.backend not in BACKEND_NAMES:
-        problems.append(f"--backend must be one of {', '.join(BACKEND_NAMES)}, got "
-                        f"{args.backend!r}")
-    if args.mode != "auto" and not args.context_parallel:
+    # Checked here, not by argparse's choices, which stop at the first bad one.
+    for flag, value, allowed in (("--backend", args.backend, BACKEND_NAMES),
+                                 ("--mode", args.mode, MODES), ("--dtype", args.dtype, DTYPES)):
+        if value is not None and value not in allowed:
+            problems.append(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    if args.mode in ("tp", "sp") and not args.context_parallel:
         problems.append(f"--mode {args.mode} picks the context-parallel partners: it needs "
                         f"--context-parallel")
     sp_partners = args.context_parallel and (args.mode == "sp"

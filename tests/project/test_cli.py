@@ -188,6 +188,12 @@ def test_the_backend_and_the_sp_page_size_are_named_with_the_rest():
     # --mode without --context-parallel did nothing, silently (helper 69)
     assert argument_problems(parse_args(["--sp", "2", "--mode", "sp"]), cuda=False) == [
         "--mode sp picks the context-parallel partners: it needs --context-parallel"]
+    # every bad choice named together (argparse's choices stopped at the first)
+    assert argument_problems(parse_args(["--mode", "both", "--dtype", "int8", "--backend",
+                                         "foo"]), cuda=False) == [
+        "--backend must be one of auto, torch, flashinfer, got 'foo'",
+        "--mode must be one of auto, tp, sp, got 'both'",
+        "--dtype must be one of float32, bfloat16, float16, got 'int8'"]
 
 
 def test_the_console_script_runs_the_cli_one_line_errors_and_all(tmp_path):
@@ -227,9 +233,9 @@ def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, rank, printed):
 
 def test_a_usage_error_is_one_line_with_argparses_code(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli(["--mode", "both"])
+        cli(["--tp", "two"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.startswith("torch_cp: error: argument --mode: invalid choice")
+    assert capsys.readouterr().err.startswith("torch_cp: error: argument --tp: invalid int")
 
 
 def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
