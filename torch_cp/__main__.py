@@ -195,7 +195,10 @@ def write_json(path: str, placement, world: int, kv: list[int], state: list[int]
 def one_line(error: Exception) -> str:
     """``error``'s message on one line (patch_model lists its problems on lines of their own)."""
     lines = [line.strip().removeprefix("- ") for line in str(error).splitlines() if line.strip()]
-    return lines[0] + (" " + "; ".join(lines[1:]) if len(lines) > 1 else "") if lines else ""
+    out = ""
+    for line in lines:  # a line ending in ":" introduces the next (a rank's list, under torchrun)
+        out += ("" if not out else " " if out.endswith(":") else "; ") + line
+    return out
 
 
 def cli(argv=None) -> None:

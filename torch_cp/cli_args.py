@@ -10,7 +10,6 @@ from torch_cp.attention.select import BACKEND_NAMES
 from torch_cp.engine import SamplingParams
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP
 
-
 MODES = ("auto", "tp", "sp")
 DTYPES = ("float32", "bfloat16", "float16")
 

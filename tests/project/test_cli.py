@@ -231,6 +231,14 @@ def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, rank, printed):
             "not exist\n") if printed else err == ""
 
 
+def test_every_ranks_list_of_problems_reads_as_one_line():
+    from torch_cp.__main__ import one_line
+
+    error = ValueError("rank 0: cannot load 'ckpt':\n  - a\n  - b | rank 1: cannot load "
+                       "'ckpt':\n  - c")
+    assert one_line(error) == "rank 0: cannot load 'ckpt': a; b | rank 1: cannot load 'ckpt': c"
+
+
 def test_a_usage_error_is_one_line_with_argparses_code(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(["--tp", "two"])
