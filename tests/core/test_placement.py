@@ -89,6 +89,23 @@ def test_page_size_not_a_multiple_of_p_is_refused(size, page_size):
             call()
 
 
+def test_kv_bytes_per_rank_names_every_bad_argument():
+    import numpy as np
+
+    from torch_cp import kv_bytes_per_rank
+    from torch_cp.tiny import tiny_qwen3
+
+    config = tiny_qwen3().config
+    with pytest.raises(ValueError) as caught:  # was a TypeError from comparing "100" with 0
+        kv_bytes_per_rank(config, "100", partners=2.0)
+    assert str(caught.value) == ("tokens must be an int >= 0, got '100'; partners must be an "
+                                 "int >= 1, got 2.0")
+    with pytest.raises(ValueError, match="page_size must be a positive int, got '16'"):
+        kv_bytes_per_rank(config, 100, 2, page_size="16")
+    assert kv_bytes_per_rank(config, np.int64(100), np.int64(2)) == \
+        kv_bytes_per_rank(config, 100, 2) > 0
+
+
 # --- the step plan ---
 
 @st.composite

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch_cp.agreement import across_ranks
 from torch_cp.placement import page_size_problems
 from torch_cp.state import LinearGeometry, StatePool
+from torch_cp.values import as_int, positive_int
 
 
 def _config_and_dtype(model_or_config) -> tuple[object, torch.dtype]:
@@ -61,14 +62,15 @@ def kv_bytes_per_rank(model_or_config, tokens: int, partners: int = 1, page_size
         ``layers * pages * (page_size // P) * bytes per token slot``.
     """
     problems = []
-    if tokens < 0:
-        problems.append(f"tokens must be >= 0, got {tokens}")
-    if partners < 1:
-        problems.append(f"partners must be >= 1, got {partners}")
+    if as_int(tokens) is None or tokens < 0:
+        problems.append(f"tokens must be an int >= 0, got {tokens!r}")
+    if positive_int(partners) is None:
+        problems.append(f"partners must be an int >= 1, got {partners!r}")
     else:
         problems += page_size_problems(page_size, partners)
     if problems:
         raise ValueError("; ".join(problems))
+    tokens, partners = as_int(tokens), as_int(partners)
     layers, per_slot, dtype = _per_slot_elements(model_or_config)
     pages = -(-tokens // page_size)
     element = torch.empty((), dtype=dtype).element_size()
