@@ -143,9 +143,9 @@ def main(argv=None) -> int:
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
     eng, cap = engine_for(model, prompts, news, args.page_size,
-                     max_tokens_per_step=args.max_tokens_per_step,
-                     cuda_graphs=args.cuda_graphs, compile=args.compile,
-                     overlap_planning=args.overlap_planning, progress=not args.no_progress)
+                          max_tokens_per_step=args.max_tokens_per_step,
+                          cuda_graphs=args.cuda_graphs, compile=args.compile,
+                          overlap_planning=args.overlap_planning, progress=not args.no_progress)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = never_fit_hints(
         eng.run_tokens(prompts, news, sampling, eos_ids(model, None, tokenizer),

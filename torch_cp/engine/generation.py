@@ -160,9 +160,10 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         stream=stream))
     lives = [max(n, 1) for n in news]
     engine, cap = engine_for(model, token_prompts, lives, page_size, num_pages,
-                        max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
-                        compile=compile, overlap_planning=overlap_planning, progress=progress,
-                        prefix_caching=prefix_caching, _agreed=True)  # its arguments: above
+                             max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
+                             compile=compile, overlap_planning=overlap_planning,
+                             progress=progress, prefix_caching=prefix_caching,
+                             _agreed=True)  # its arguments: agreed above
     if stream:  # the warnings run() gives
         warn_ignored_sampling(sampling)
         warn_past_positions(model, [Request(i, p, n) for i, (p, n) in
