@@ -25,12 +25,14 @@ def fingerprint(**arguments) -> dict[str, str]:
             for name, value in arguments.items()}
 
 
-def described(value):
+def described(value, depth: int = 0):
     """``value`` as plain data whose ``repr`` is alike on ranks that hold alike values: tensors
     and arrays by dtype, shape and a hash of their bytes (a tensor's ``repr`` elides the middle
     of a long one; its ``tolist`` of 8k x 4096 embeddings took 19 s), containers item by item,
-    configs by ``to_dict()``, anything else (a streamer, a logits processor, a function) by its
-    type's name, never its address."""
+    configs by ``to_dict()``, other objects (a logits processor, a stopping criterion) by their
+    type's name and attributes, a few levels deep; modules, tokenizers and objects without an
+    attribute dict by their type's name alone, never an address. A function is its type's
+    name and its attributes: two functions that compute differently look alike."""
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype)):
         return value
     if isinstance(value, torch.Tensor):  # by its bytes: a long prompt's or embeddings' values
@@ -40,12 +42,23 @@ def described(value):
         return (str(value.dtype), tuple(getattr(value, "shape", ())),
                 hashlib.sha256(value.tobytes()).hexdigest())
     if isinstance(value, Mapping):
-        return {str(k): described(v) for k, v in value.items()}
+        return {str(k): described(v, depth) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [described(v) for v in value]
+        return [described(v, depth) for v in value]
     if callable(getattr(value, "to_dict", None)):
-        return described(value.to_dict())
-    return type(value).__qualname__
+        return described(value.to_dict(), depth)
+    name = type(value).__qualname__
+    attributes = getattr(value, "__dict__", None)
+    # Settings live in attributes (MaxLengthCriteria's max_length): ranks passing the same type
+    # with other settings stop at other steps and hang in a collective (helper 72). A module's
+    # or a tokenizer's attributes are its weights and vocabulary: the type says enough.
+    if (not isinstance(attributes, dict) or depth >= DESCRIBED_DEPTH
+            or isinstance(value, torch.nn.Module) or hasattr(value, "get_vocab")):
+        return name
+    return (name, described(attributes, depth + 1))
+
+
+DESCRIBED_DEPTH = 4  # levels of objects within objects ``described`` reads
 
 
 def across_ranks(spans: bool) -> bool:

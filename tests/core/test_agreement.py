@@ -22,18 +22,53 @@ def test_a_long_tensor_is_compared_by_every_element():
     assert described(a.int()) != described(a), "the dtype counts"
 
 
-def test_objects_are_compared_by_type_and_configs_by_value():
+def test_objects_are_compared_by_type_and_attributes_and_configs_by_value():
     """A streamer or logits processor holds an address in its repr, never alike on two ranks."""
     class Streamer:
         pass
 
-    assert described(Streamer()) == described(Streamer()) == "test_objects_are_compared_by_" \
-        "type_and_configs_by_value.<locals>.Streamer"
+    assert described(Streamer()) == described(Streamer()) == (
+        "test_objects_are_compared_by_type_and_attributes_and_configs_by_value.<locals>.Streamer",
+        {})
     assert described(GenerationConfig(max_new_tokens=3)) != described(
         GenerationConfig(max_new_tokens=4))
     n, ids = described({"n": np.int64(3), "ids": np.arange(3)}).values()
     assert n[:2] == ("int64", ()) and ids[:2] == ("int64", (3,))
     assert ids == described(np.arange(3)) != described(np.arange(1, 4))
+
+
+def test_a_criterion_or_processor_with_other_settings_differs():
+    """Helper 72: ranks passing MaxLengthCriteria(5) and (8) stopped at other steps (one rank
+    hung in the partners' gather); SuppressTokensLogitsProcessor([0]) and ([97]) gave other
+    tokens. Their settings are attributes (a tensor for the suppressed ids)."""
+    from transformers import (
+        LogitsProcessorList,
+        MaxLengthCriteria,
+        StoppingCriteriaList,
+        SuppressTokensLogitsProcessor,
+    )
+
+    def stop(n):
+        return described(StoppingCriteriaList([MaxLengthCriteria(max_length=n)]))
+
+    def suppress(ids):
+        return described(LogitsProcessorList([SuppressTokensLogitsProcessor(ids)]))
+    assert stop(5) == stop(5) != stop(8)
+    assert suppress([0]) == suppress([0]) != suppress([97])
+
+
+def test_modules_and_tokenizers_are_described_by_type_alone():
+    """Their attributes are weights and vocabularies: never hashed before a call."""
+    from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
+
+    assert described(tiny_qwen3(seed=0)) == described(tiny_qwen3(seed=1)) == "Qwen3ForCausalLM"
+    assert isinstance(described(tiny_tokenizer()), str)
+    nested = {"a": [{"b": object()}]}
+    for _ in range(10):  # objects within objects: a few levels, then the type's name
+        holder = type("Holder", (), {})()
+        holder.inner = nested
+        nested = holder
+    assert fingerprint(x=described(nested))
 
 
 def test_a_large_tensor_is_hashed_not_listed():

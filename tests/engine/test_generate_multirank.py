@@ -145,6 +145,12 @@ def _refusals(rank: int) -> dict[str, str]:
                                            do_sample=False)
     out["model.generate max_new_tokens"] = _raised(model.generate, ids, do_sample=False,
                                                    max_new_tokens=NEW + rank)
+    # The same type with other settings (helper 72: rank 0 stopped early, rank 1 hung)
+    from transformers import MaxLengthCriteria, StoppingCriteriaList
+
+    out["model.generate stopping_criteria"] = _raised(
+        model.generate, ids, max_new_tokens=NEW, do_sample=False,
+        stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2 + rank)]))
     model.generation_config.max_new_tokens = NEW + rank
     out["model.generate generation_config"] = _raised(model.generate, ids, do_sample=False)
     model.generation_config.max_new_tokens = NEW
@@ -255,6 +261,7 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                 ("Engine max_rows", "Engine(...)", "max_rows"),
                 ("model.generate inputs", "model.generate", "inputs"),
                 ("model.generate max_new_tokens", "model.generate", "max_new_tokens"),
+                ("model.generate stopping_criteria", "model.generate", "stopping_criteria"),
                 ("model.generate generation_config", "model.generate",
                  "model.generation_config")]:
             assert got[key] == DIFFERENT.format(call, named), f"rank {rank}: {key}"
