@@ -29,7 +29,7 @@ from benchmarks.models import expert_bytes
 from torch_cp.graphs import fused_experts as fe
 from torch_cp.graphs import grouped_experts as ge
 
-ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512), (4, 8)
+ROWS, COLS, WARPS = (8, 16, 32), (128, 256, 512, 1024), (4, 8)  # 1024: run 102's gemv tile
 GROUPED_PAIRS, GROUPED_ROWS = (16, 32), (32, 64, 128)
 GROUPED_COLS, GROUPED_WARPS = (64, 128), (4, 8)
 GROUPED_SPACE = dict(pairs=GROUPED_PAIRS, rows=GROUPED_ROWS, cols=GROUPED_COLS,
