@@ -9,9 +9,11 @@ import torch
 
 
 def as_int(value) -> int | None:
-    """``value`` as an int (Python's, NumPy's or a tensor's integer), or None: bools, of any
-    kind, are not ints."""
-    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+    """``value`` as an int (Python's, NumPy's or a 0-d tensor's integer), or None: bools, of
+    any kind, are not ints, nor is a one-element tensor of one or more dims (``[5]``: a row of
+    one token id, which ``operator.index`` would take as the id)."""
+    if (isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool
+            or getattr(value, "ndim", 0) != 0):
         return None
     try:
         return operator.index(value)

@@ -97,6 +97,15 @@ def test_eos_stops_a_request_and_is_returned(model, reference):
     other = reference[1]
     expect = other[: other.index(eos) + 1] if eos in other else other
     assert results[1].token_ids == expect
+    # Engine.run reads its eos ids as generate does (helper 75: a tensor never stopped, an int
+    # raised a TypeError, a str id was dropped)
+    engine = Engine(model, num_pages=64, page_size=4)
+    for form in (eos, [eos], torch.tensor([eos]), np.int64(eos)):
+        got = engine.run([PROMPTS[2]], NEW, eos_token_ids=form)[0]
+        assert got.token_ids == reference[2][: first + 1] and got.finish_reason == "eos", form
+    with pytest.raises(ValueError, match=r"eos_token_ids must be an int or a list of ints, "
+                                         r"got \['8'\]"):
+        engine.run([PROMPTS[2]], NEW, eos_token_ids=["8"])
 
 
 def test_sampling_repeats_with_the_seed(model):

@@ -149,6 +149,21 @@ def test_a_padded_batch_without_its_mask_is_refused(model, tok):
     assert normalize_prompts(torch.tensor(inner), pad_token_ids=[256]) == inner
     ragged = [[5, 6, tok.pad_token_id], [8]]
     assert normalize_prompts(ragged, pad_token_ids=[256]) == ragged
+    # A list of NumPy rows is a padded batch too (helper 75: it ran with its padding as prompt)
+    rows = list(tok(TEXTS, padding=True, return_tensors="np")["input_ids"])
+    with pytest.raises(ValueError, match="attention_mask"):
+        torch_cp.generate(model, rows, NEW, tokenizer=tok, progress=False)
+
+
+def test_one_token_rows_are_a_batch_not_one_prompt(model, reference):
+    """``list(ids)`` of a [B, 1] tensor: B one-token prompts (helper 75: a [1] tensor read as
+    an int made them one prompt of B ids)."""
+    rows = list(torch.tensor([[5], [7]]))
+    assert normalize_prompts(rows) == [[5], [7]]
+    got = torch_cp.generate(model, rows, NEW, progress=False)
+    assert [list(r.token_ids) for r in got] == [
+        list(torch_cp.generate(model, [i], NEW, progress=False)[0].token_ids) for i in (5, 7)]
+    assert Engine(model, num_pages=8).submit(torch.tensor([5])) == 0  # one prompt of one token
 
 
 def test_bad_prompts_name_every_problem():

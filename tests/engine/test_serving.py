@@ -335,7 +335,8 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     with pytest.raises(ValueError) as caught:
         e.submit(PROMPTS[1], NEW, sampling={"temperature": 0.5}, stop_token_ids=["7"],
                  stop_strings=[""], logprobs=vocab + 1)
-    for named in ("sampling must be a SamplingParams", "stop_token_ids must be an int or ints",
+    for named in ("sampling must be a SamplingParams",
+                  "stop_token_ids must be an int or a list of ints",
                   "stop_strings must be a non-empty str or such strs",
                   "stop_strings need a tokenizer",
                   f"logprobs must be None or an int in [0, {vocab}]"):
@@ -343,7 +344,7 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     # what is neither one nor a collection is named (helper 70: a TypeError)
     with pytest.raises(ValueError) as caught:
         e.submit(PROMPTS[1], "x", stop_token_ids=2.0, stop_strings=7, logprobs=-1)
-    for named in ("stop_token_ids must be an int or ints, got 2.0",
+    for named in ("stop_token_ids must be an int or a list of ints, got 2.0",
                   "stop_strings must be a non-empty str or such strs, got 7",
                   "max_new_tokens must be an int", "logprobs"):
         assert named in str(caught.value)

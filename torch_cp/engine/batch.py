@@ -9,6 +9,7 @@ from torch_cp.engine.checks import checked
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Result,
+    id_tuple,
     logprobs_problem,
     make_requests,
     new_tokens_per_request,
@@ -29,7 +30,7 @@ class BatchRuns:
     results in order."""
 
     def run(self, prompts, max_new_tokens: int | Sequence[int],
-            sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
+            sampling: SamplingParams = GREEDY, eos_token_ids: int | Sequence[int] | None = (),
             progress: bool = False, *, tokenizer=None, attention_mask=None,
             logprobs: int | None = None) -> list[Result]:
         """Generate for ``prompts``; bad requests get error results, the others complete.
@@ -71,11 +72,11 @@ class BatchRuns:
         problems += filter(None, [logprobs_problem(logprobs, vocab_size(self.model))])
         news = checked(problems, new_tokens_per_request, max_new_tokens,
                        None if prompts is None else len(prompts))
+        eos = checked(problems, id_tuple, eos_token_ids, "eos_token_ids")
         agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
             prompts=prompts and [list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
-            eos_token_ids=list(eos_token_ids), logprobs=logprobs))
-        return self.run_agreed(prompts, news, sampling, eos_token_ids, progress, tokenizer,
-                               logprobs)
+            eos_token_ids=eos, logprobs=logprobs))
+        return self.run_agreed(prompts, news, sampling, eos, progress, tokenizer, logprobs)
 
     def run_agreed(self, prompts: Sequence[Sequence[int]], news: list[int],
                    sampling: SamplingParams, eos_token_ids: Sequence[int], progress: bool,

@@ -43,6 +43,7 @@ def _is_chat(x) -> bool:
 
 
 def _is_token_row(x) -> bool:
+    x = _tensor_like(x)  # a NumPy row too (helper 75: a batch of them skipped the pad check)
     if isinstance(x, torch.Tensor):
         return x.dim() == 1
     return isinstance(x, Sequence) and not isinstance(x, str) and token_ids_of(x) is not None
@@ -225,6 +226,7 @@ def _padding_problems(prompts, out: list[list[int]], pad_ids: frozenset[int]) ->
     """A rectangular batch of token ids without a mask whose rows start or end with a pad id."""
     if not pad_ids:
         return []
+    prompts = _tensor_like(prompts)
     if isinstance(prompts, torch.Tensor):
         rectangular = prompts.dim() == 2
     else:

@@ -54,9 +54,7 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
                            ) -> list[int]:
     """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's; numpy
     integers count as ints). ``prompts`` None: the entries checked, not their count."""
-    def count(value) -> int | None:
-        return None if getattr(value, "ndim", 0) else as_int(value)  # a [1] tensor is a list
-
+    count = as_int  # a [1] tensor is a list (of one), not an int
     if count(max_new_tokens) is not None:
         return [count(max_new_tokens)] * (prompts or 0)
     try:
@@ -159,15 +157,21 @@ def eos_ids(model, eos_token_id, tokenizer) -> tuple[int, ...]:
         eos_token_id = getattr(config, "eos_token_id", None)
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
+    return id_tuple(eos_token_id, "eos_token_id")
+
+
+def id_tuple(value, name: str) -> tuple[int, ...]:
+    """Token ids given as an int, ints, a tensor or array of them (``as_int``'s kinds), or None
+    for none, as a tuple; ValueError naming ``name`` for anything else."""
+    if value is None:
         return ()
-    one = as_int(eos_token_id)
+    one = as_int(value)
     try:
-        ids = [one] if one is not None else [as_int(i) for i in eos_token_id]
+        ids = [one] if one is not None else [as_int(i) for i in value]
     except TypeError:
         ids = [None]
     if None in ids:
-        raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+        raise ValueError(f"{name} must be an int or a list of ints, got {value!r}")
     return tuple(ids)
 
 

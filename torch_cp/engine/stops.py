@@ -11,15 +11,16 @@ under a new number, when a request names it again).
 
 from __future__ import annotations
 
+from torch_cp.engine.checks import checked
+from torch_cp.engine.requests import id_tuple
+
 
 def stops_of(stop_token_ids, stop_strings, tokenizer, problems: list[str]
              ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """A submission's stop token ids and stop strings as tuples (an int is one id, a str one
     string, as transformers takes them; None is none), each problem added to ``problems``."""
-    ids, strings = _as_tuple(stop_token_ids, int), _as_tuple(stop_strings, str)
-    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        problems.append(f"stop_token_ids must be an int or ints, got {stop_token_ids!r}")
-        ids = ()
+    ids = checked(problems, id_tuple, stop_token_ids, "stop_token_ids") or ()
+    strings = _as_tuple(stop_strings, str)
     if (strings or stop_strings) and not callable(getattr(tokenizer, "get_vocab", None)):
         problems.append("stop_strings need a tokenizer" + (
             "" if tokenizer is None else f", got a {type(tokenizer).__name__}"))
