@@ -115,7 +115,8 @@ def test_auto_mode_without_a_mesh_is_tp():
 
 @pytest.mark.parametrize("sp, tp, kv_heads, mode, page_size, named, hint", [
     # the issue's case: sp = 2, tp = 1 in TP mode
-    (2, 1, 2, "tp", 16, "needs tp > kv_heads", "SP mode would work on this mesh: mode='sp'"),
+    (2, 1, 2, "tp", 16, "needs tp > kv_heads",
+     "SP mode would work on this mesh: mode='sp' (--mode sp on the command line)"),
     (1, 4, 1, "sp", 16, "needs sp >= 2", "TP mode would work on this mesh: mode='tp'"),
     # P = 4 in TP mode does not divide page_size 6, P = 2 in SP mode does
     (2, 4, 1, "tp", 6, "page_size 6 is not a multiple of P = 4",
@@ -138,7 +139,7 @@ def test_the_error_suggests_the_other_mode_where_it_would_run(sp, tp, kv_heads, 
         assert "would work" not in message
     else:
         assert hint in message
-        other = hint.split("mode=")[1].strip("'")
+        other = hint.split("mode='")[1].split("'")[0]
         settings(model, mesh(sp, tp), mode=other, page_size=page_size)  # and it does
 
 

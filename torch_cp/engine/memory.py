@@ -87,10 +87,14 @@ def state_bytes_per_rank(model_or_config, requests: int = 1, tp: int = 1) -> int
             (split over ``tp`` ranks; the conv state in the model's dtype, else the config's,
             else float32).
         requests: state slots: running requests (one each), plus an ``Engine``'s
-            ``state_checkpoints`` when it caches prefixes (``Engine.state_bytes`` counts both).
+            ``state_checkpoints`` when it caches prefixes. ``Engine.state_bytes`` is its whole
+            state pool: a slot for each of its ``max_rows`` (64 by default) and checkpoints,
+            a sink slot for padding rows and a zero slot fresh rows start from.
+        tp: the TP ranks an unpatched model's linear heads split over (a patched model knows).
     """
-    if requests < 0 or tp < 1:
-        raise ValueError(f"need requests >= 0 and tp >= 1, got {requests} and {tp}")
+    if as_int(requests) is None or requests < 0 or positive_int(tp) is None:
+        raise ValueError(f"need requests an int >= 0 and tp an int >= 1, got {requests!r} and "
+                         f"{tp!r}")
     runtime = getattr(model_or_config, "torch_cp", None)
     if runtime is not None:
         return 0 if runtime.linear is None else requests * runtime.linear.slot_bytes(

@@ -148,7 +148,8 @@ def _context_parallel_problems(kv_heads: int, mode: str, tp: int, sp: int, page_
     other_works = not _mode_problems(kv_heads, other, tp, sp, page_size) and (
         other == "sp" or tp % kv_heads == 0)
     if other_works:
-        problems[0] += f"; {other.upper()} mode would work on this mesh: mode={other!r}"
+        problems[0] += (f"; {other.upper()} mode would work on this mesh: mode={other!r} "
+                        f"(--mode {other} on the command line)")
     return problems
 
 
