@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torch_cp.placement import ContextParallel, Mode
+from torch_cp.values import positive_int
 
 AXES = ("sp", "tp")
 
@@ -31,7 +32,13 @@ def init_mesh(tp: int = 1, sp: int = 1, device_type: str | None = None) -> Devic
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    problems = [f"{name} must be >= 1, got {n}" for name, n in (("tp", tp), ("sp", sp)) if n < 1]
+    problems = [f"{name} must be an int >= 1, got {n!r}" for name, n in (("tp", tp), ("sp", sp))
+                if positive_int(n) is None]
+    if device_type not in ("cpu", "cuda"):
+        problems.append(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    elif device_type == "cuda" and not torch.cuda.is_available():
+        problems.append("device_type 'cuda': CUDA is not available")
+    sized = positive_int(tp) is not None and positive_int(sp) is not None
     present = [v for v in TORCHRUN_VARIABLES if v in os.environ]
     standalone = not dist.is_initialized() and not present
     if dist.is_initialized():
@@ -43,10 +50,10 @@ def init_mesh(tp: int = 1, sp: int = 1, device_type: str | None = None) -> Devic
         world = None
     else:
         world = int(os.environ.get("WORLD_SIZE", 1))
-    if not problems and standalone and sp * tp > 1:
+    if sized and standalone and sp * tp > 1:
         problems.append(f"sp * tp = {sp} * {tp} needs {sp * tp} processes: launch with "
                         f"`torchrun --nproc-per-node {sp * tp} ...`")
-    elif not problems and world is not None and tp * sp != world:
+    elif sized and world is not None and tp * sp != world:
         problems.append(f"sp * tp = {sp} * {tp} = {sp * tp} does not match the world size {world}")
     if problems:
         raise ValueError("invalid mesh: " + "; ".join(problems))
@@ -147,11 +154,22 @@ def partner_groups(sp: int, tp: int, num_kv_heads: int, mode: Mode) -> list[list
 
 
 def mesh_world_problems(mesh: DeviceMesh) -> list[str]:
-    """A mesh that is not the whole world: context parallelism's partner groups are created
-    collectively by every rank of the world."""
-    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
-        return [f"the mesh spans {mesh.mesh.numel()} ranks, not the whole world of "
-                f"{dist.get_world_size()}: build it with torch_cp.init_mesh"]
+    """A mesh that is not the whole world in rank order. Context parallelism's partner groups
+    are created collectively by every rank of the world, and the calls' agreement and rank 0's
+    broadcasts span the world (so a mesh of one replica among several would wait on the
+    others). A rank's coordinates are read with ``DeviceMesh.get_local_rank``, its rank within
+    each axis's group, which is its position on the axis only where ranks increase along it
+    (helper 77: a mesh of ranks [[0, 2, 1, 3]] paired partners holding other KV heads)."""
+    if not dist.is_initialized():  # no process group: nothing spans ranks
+        return []
+    ranks = mesh.mesh.flatten().tolist()
+    if len(ranks) != dist.get_world_size():
+        return [f"the mesh spans {len(ranks)} ranks, not the whole world of "
+                f"{dist.get_world_size()}: build it with torch_cp.init_mesh (one model replica "
+                f"a job)"]
+    if ranks != sorted(ranks):
+        return [f"the mesh's ranks {mesh.mesh.tolist()} do not increase along its axes: build "
+                f"it with torch_cp.init_mesh"]
     return []
 
 

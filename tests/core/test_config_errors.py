@@ -119,7 +119,7 @@ def test_partner_placement_without_mesh_is_one_partner():
 @pytest.mark.parametrize("world,tp,sp,named", [
     ("4", 2, 1, ["sp * tp = 1 * 2 = 2 does not match the world size 4"]),
     ("1", 2, 2, ["sp * tp = 2 * 2 = 4 does not match the world size 1"]),
-    ("8", 0, -1, ["tp must be >= 1, got 0", "sp must be >= 1, got -1"]),
+    ("8", 0, -1, ["tp must be an int >= 1, got 0", "sp must be an int >= 1, got -1"]),
 ])
 def test_init_mesh_refuses_a_mesh_that_is_not_the_world(monkeypatch, world, tp, sp, named):
     def start_group(*args, **kwargs):

@@ -58,8 +58,20 @@ def test_more_ranks_without_torchrun_say_how_to_launch(no_torchrun, tp, sp):
 
 
 def test_every_problem_is_named(no_torchrun):
-    with pytest.raises(ValueError, match="tp must be >= 1, got 0; sp must be >= 1, got -1"):
+    with pytest.raises(ValueError, match="tp must be an int >= 1, got 0; sp must be an int >= 1, "
+                                         "got -1"):
         init_mesh(tp=0, sp=-1)
+    # helper 77: a str or None was a TypeError, 2.0 advised `--nproc-per-node 2.0`, True reached
+    # torch, "CPU" made a mesh patch_model refused as "on CPU but the model is on cpu"
+    with pytest.raises(ValueError) as caught:
+        init_mesh(tp="2", sp=2.0, device_type="CPU")
+    assert str(caught.value) == ("invalid mesh: tp must be an int >= 1, got '2'; sp must be an "
+                                 "int >= 1, got 2.0; device_type must be 'cuda' or 'cpu', got "
+                                 "'CPU'")
+    for bad in (None, True):
+        with pytest.raises(ValueError, match=f"tp must be an int >= 1, got {bad}"):
+            init_mesh(tp=bad)
+    assert not dist.is_initialized()
 
 
 def test_a_partial_torchrun_environment_is_named(no_torchrun, monkeypatch):
@@ -90,13 +102,19 @@ def recorded(monkeypatch, no_torchrun):
 
 @pytest.mark.parametrize("cuda,device_type,want", [
     (True, None, ("nccl", "cuda")), (False, None, ("gloo", "cpu")),
-    (True, "cpu", ("gloo", "cpu")), (False, "cuda", ("nccl", "cuda"))])
+    (True, "cpu", ("gloo", "cpu")), (True, "cuda", ("nccl", "cuda"))])
 def test_the_device_is_cuda_when_available_else_cpu(recorded, monkeypatch, cuda, device_type,
                                                     want):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     init_mesh(device_type=device_type)
     assert (recorded["backend"], recorded["device_type"]) == want
     assert (recorded["rank"], recorded["world_size"]) == (0, 1)  # the one-rank group
+
+
+def test_cuda_without_cuda_is_named(no_torchrun, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device_type 'cuda': CUDA is not available"):
+        init_mesh(device_type="cuda")  # was NCCL's own RuntimeError (helper 77)
 
 
 def test_under_torchrun_the_group_comes_from_the_environment(recorded, monkeypatch):

@@ -115,6 +115,15 @@ def _refusals(rank: int) -> dict[str, str]:
            "patch dtype": _raised(patch, tiny_qwen3(dtype=torch.bfloat16 if rank else
                                                     torch.float32)),
            "patch config": _raised(patch, tiny_qwen3(num_hidden_layers=2 + rank))}
+    # helper 77: partners paired by mesh position, shards by group rank (wrong tokens); a
+    # replica's sub-mesh without context parallelism, whose calls then waited on the world
+    from torch.distributed.device_mesh import DeviceMesh
+
+    swapped = DeviceMesh("cpu", torch.tensor([[1, 0]]), mesh_dim_names=("sp", "tp"))
+    out["patch swapped mesh"] = _raised(patch, tiny_qwen3(), mesh=swapped)
+    one = DeviceMesh("cpu", torch.tensor([[rank]]), mesh_dim_names=("sp", "tp"))
+    out["patch one-rank mesh"] = _raised(patch, tiny_qwen3(), mesh=one, context_parallel=False)
+    out["patch context_parallel str"] = _raised(patch, tiny_qwen3(), context_parallel="False")
     model = patch(tiny_qwen3())
     out["Engine max_rows"] = _raised(Engine, model, PAGES, PAGE, max_rows=4 + rank)
     out["Engine max_rows bad"] = _raised(Engine, model, PAGES, PAGE, max_rows=0 if rank else 4)
@@ -265,6 +274,12 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                 ("model.generate generation_config", "model.generate",
                  "model.generation_config")]:
             assert got[key] == DIFFERENT.format(call, named), f"rank {rank}: {key}"
+        for key, problem in [("patch swapped mesh", "the mesh's ranks [[1, 0]] do not increase"),
+                             ("patch one-rank mesh", "the mesh spans 1 ranks, not the whole "
+                                                     "world of 2"),
+                             ("patch context_parallel str", "context_parallel must be True or "
+                                                            "False, got 'False'")]:
+            assert problem in got[key], f"rank {rank}: {key}: {got[key]}"
         for key, problem in [
                 ("patch page_size bad", "cannot patch the model:\n  - page_size 3 is not a "
                                         "multiple of P = 2"),

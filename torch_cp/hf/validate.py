@@ -177,7 +177,7 @@ def agree_on_model(model, call: str, mesh, device: torch.device | None, problems
     other ranks' problems, or name the ``arguments``, model dtype or config (its public keys)
     that differ between them: a rank patched otherwise than its partners would hang in, or
     corrupt, their collectives. Gathers where the mesh is the whole world of more than one rank
-    (a mesh that is not is refused for context parallelism: ``mesh_world_problems``), and
+    (a mesh that is not is refused: ``mesh_world_problems``), and
     where a rank of such a world asks for context parallelism with no mesh (refused, on every
     rank). A rank given no mesh and no context parallelism runs alone and gathers nothing: if
     its partners were given a mesh, they wait for it."""
@@ -248,12 +248,15 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
                                           for p in mlp_problems(mlp, tp))
     problems += backend_problems(backend, family, config, dtype, device)
     problems += hybrid_backend_problems(backend, family)
+    if not isinstance(context_parallel, bool):  # "False" from a config file is truthy
+        problems.append(f"context_parallel must be True or False, got {context_parallel!r}")
+        context_parallel = False
     if context_parallel and mesh is None:
         problems.append("context_parallel=True needs a mesh whose ranks share KV heads "
                         "(TP mode: tp > kv_heads; SP mode: sp >= 2)")
     elif context_parallel and family is not None and tp is not None and mode in MODES:
         problems += _context_parallel_problems(family.kv_heads(config), mode, tp, sp, page_size)
-    if context_parallel and tp is not None and mesh is not None:
+    if tp is not None and mesh is not None:  # with or without context parallelism
         problems += mesh_world_problems(mesh)
     if problems:
         return None, problems
