@@ -89,6 +89,21 @@ def test_bad_parameters_name_every_problem():
         sample(_logits(), SamplingParams(temperature=1.0))
 
 
+def test_other_numbers_are_read_as_pythons():
+    """A Fraction passed the checks and then met a tensor mid-run (helper 79); NumPy's ints
+    were refused for top_k and seed, taken for max_new_tokens."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    got = SamplingParams(Fraction(1, 2), np.int64(3), Fraction(9, 10), np.int64(7))
+    assert got == SamplingParams(0.5, 3, 0.9, 7)
+    assert [type(v) for v in (got.temperature, got.top_k, got.top_p, got.seed)] == [
+        float, int, float, int]
+    rows = _logits()
+    assert sample(rows, got, [got.generator(i) for i in range(rows.shape[0])]).dtype == torch.int64
+
+
 # --- independent streams per request, end to end ---
 
 PROMPT = [5, 17, 33, 101, 7]

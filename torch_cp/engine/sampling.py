@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torch_cp.values import as_int
+
 # Mixes the request index into the seed so requests draw independent streams.
 _SEED_STRIDE = 1_000_003
 
@@ -44,15 +46,20 @@ class SamplingParams:
         problems = []
         if not _real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             problems.append(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int)
-                                       or isinstance(self.top_k, bool) or self.top_k < 1):
+        top_k, seed = as_int(self.top_k), as_int(self.seed)  # NumPy's ints too
+        if self.top_k is not None and (top_k is None or top_k < 1):
             problems.append(f"top_k must be a positive int or None, got {self.top_k!r}")
         if self.top_p is not None and (not _real(self.top_p) or not 0.0 < self.top_p <= 1.0):
             problems.append(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if seed is None:
             problems.append(f"seed must be an int, got {self.seed!r}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+        # As Python's float and int: a Fraction passed the checks, then met a tensor (helper 79)
+        for name, value in (("temperature", float(self.temperature)), ("top_k", top_k),
+                            ("top_p", None if self.top_p is None else float(self.top_p)),
+                            ("seed", seed)):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
