@@ -34,11 +34,11 @@ def init_mesh(tp: int = 1, sp: int = 1, device_type: str | None = None) -> Devic
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     problems = [f"{name} must be an int >= 1, got {n!r}" for name, n in (("tp", tp), ("sp", sp))
                 if positive_int(n) is None]
+    sized = not problems  # tp and sp are ints: their product can be checked
     if device_type not in ("cpu", "cuda"):
         problems.append(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     elif device_type == "cuda" and not torch.cuda.is_available():
         problems.append("device_type 'cuda': CUDA is not available")
-    sized = positive_int(tp) is not None and positive_int(sp) is not None
     present = [v for v in TORCHRUN_VARIABLES if v in os.environ]
     standalone = not dist.is_initialized() and not present
     if dist.is_initialized():

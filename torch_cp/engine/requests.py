@@ -54,9 +54,8 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
                            ) -> list[int]:
     """``max_new_tokens`` for each of ``prompts`` requests (an int is every request's; numpy
     integers count as ints). ``prompts`` None: the entries checked, not their count."""
-    count = as_int  # a [1] tensor is a list (of one), not an int
-    if count(max_new_tokens) is not None:
-        return [count(max_new_tokens)] * (prompts or 0)
+    if as_int(max_new_tokens) is not None:  # a [1] tensor is a list (of one), not an int
+        return [as_int(max_new_tokens)] * (prompts or 0)
     try:
         news = list(max_new_tokens) if not isinstance(max_new_tokens, (str, bytes)) else None
     except TypeError:  # e.g. a float
@@ -65,12 +64,12 @@ def new_tokens_per_request(max_new_tokens: int | Sequence[int], prompts: int | N
         raise ValueError(f"max_new_tokens must be an int or one int a prompt, got "
                          f"{max_new_tokens!r}")
     problems = [f"max_new_tokens[{i}] must be an int, got {n!r}"
-                for i, n in enumerate(news) if count(n) is None]
+                for i, n in enumerate(news) if as_int(n) is None]
     if prompts is not None and len(news) != prompts:
         problems.append(f"max_new_tokens has {len(news)} entries for {prompts} prompts")
     if problems:
         raise ValueError("; ".join(problems))
-    return [count(n) for n in news]
+    return [as_int(n) for n in news]
 
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capacity: int
