@@ -45,29 +45,65 @@ def run_header(device: torch.device) -> dict:
             "machine": machine(device), "versions": versions()}
 
 
-def apply_inductor_settings(text: str) -> dict:
-    """Set ``torch._inductor.config`` from 'name=value,...' (values as Python literals: ``True``,
-    ``3``; anything else a string; dotted names reach its sections, e.g. ``triton.enable_pdl``)
-    and return the settings; an unknown name exits before anything is set."""
-    import torch._inductor.config as inductor_config
+def _literal(value: str):
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
 
+
+def _apply(text: str, owner_of: Callable[[str], tuple[object, str] | None], flag: str) -> dict:
+    """Set each 'name=value' of ``text`` (comma-separated; values as Python literals, anything
+    else a string) on the owner ``owner_of(name)`` gives, and return the settings; an unknown
+    name exits before anything is set."""
     settings, targets = {}, {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
+        target = owner_of(name)
+        if target is None or not hasattr(*target):
+            raise SystemExit(f"{flag}: no setting {name!r}")
+        targets[name], settings[name] = target, _literal(value)
+    for name, value in settings.items():
+        setattr(*targets[name], value)
+    return settings
+
+
+def apply_inductor_settings(text: str) -> dict:
+    """Set ``torch._inductor.config`` from 'name=value,...' (dotted names reach its sections,
+    e.g. ``triton.enable_pdl``) and return the settings."""
+    import torch._inductor.config as inductor_config
+
+    def owner_of(name: str):
         *sections, leaf = name.split(".")
         owner = inductor_config
         for section in sections:
             owner = getattr(owner, section, None)
-        if owner is None or not hasattr(owner, leaf):
-            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
-        targets[name] = owner, leaf
+        return None if owner is None else (owner, leaf)
+
+    return _apply(text, owner_of, "--inductor")
+
+
+def apply_kernel_settings(text: str) -> dict:
+    """Set module-level settings of torch_cp's kernels, which they read at each call, from
+    'module.NAME=value,...' (e.g. ``torch_cp.graphs.fused_router.ROUTE_WARPS=4``), and return
+    them."""
+    import importlib
+
+    def owner_of(name: str):
+        module, _, leaf = name.rpartition(".")
+        if not module.startswith("torch_cp.") or not leaf.isupper():
+            return None
         try:
-            settings[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            settings[name] = value
-    for name, value in settings.items():
-        setattr(*targets[name], value)
-    return settings
+            return importlib.import_module(module), leaf
+        except ImportError:
+            return None
+
+    return _apply(text, owner_of, "--kernel")
+
+
+KERNEL_HELP = ("torch_cp's kernel settings, 'module.NAME=value,...', e.g. "
+               "'torch_cp.graphs.fused_router.ROUTE_WARPS=4' (upper-case module constants the "
+               "kernels read at each call)")
 
 
 DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (Triton for "

@@ -48,11 +48,13 @@ import torch_cp
 from benchmarks import models, peers
 from benchmarks.common import (
     DECODE_KERNEL_HELP,
+    KERNEL_HELP,
     LINEARS_HELP,
     Budget,
     Results,
     apply_decode_kernel,
     apply_inductor_settings,
+    apply_kernel_settings,
     apply_linears,
     copy_bandwidth,
     free_cuda,
@@ -352,6 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", default=None,
                     help="MoE experts implementation of every system (default: torch_cp's, "
                          "torch_cp_fused in bf16 on CUDA; see benchmarks/models.build)")
+    ap.add_argument("--kernel", default="", help=KERNEL_HELP)
     ap.add_argument("--inductor", default="",
                     help="Inductor settings for every compiled system, 'name=value,...' (e.g. "
                          "'max_autotune=True,coordinate_descent_tuning=True'): torch_cp's layers "
@@ -365,6 +368,7 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     inductor = apply_inductor_settings(args.inductor)
+    kernel = apply_kernel_settings(args.kernel)
     decode_kernel = apply_decode_kernel(args.decode_kernel)
     linears = apply_linears(args.linears)
     smoke = args.smoke
@@ -375,6 +379,7 @@ def main(argv=None) -> int:
     results.data["plan"] = args.plan
     results.data["experts"] = args.experts
     results.data["inductor"] = inductor
+    results.data["kernel"] = kernel
     results.data["decode_kernel"] = decode_kernel
     results.data["linears"] = linears
     copy_bw = copy_bandwidth(device)

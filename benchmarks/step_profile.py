@@ -23,9 +23,11 @@ import torch_cp
 from benchmarks import models
 from benchmarks.common import (
     DECODE_KERNEL_HELP,
+    KERNEL_HELP,
     LINEARS_HELP,
     apply_decode_kernel,
     apply_inductor_settings,
+    apply_kernel_settings,
     apply_linears,
     kernel_times,
     run_header,
@@ -168,10 +170,12 @@ def main() -> None:
                         "the same experts) or a different id a row (routing spread as in serving)")
     p.add_argument("--decode-kernel", help=DECODE_KERNEL_HELP)
     p.add_argument("--linears", choices=("gemv", "cublas"), help=LINEARS_HELP)
+    p.add_argument("--kernel", default="", help=KERNEL_HELP)
     p.add_argument("--inductor", default="",
                    help="torch._inductor.config settings, 'name=value,...' (with --compile)")
     args = p.parse_args()
     inductor = apply_inductor_settings(args.inductor)
+    kernel = apply_kernel_settings(args.kernel)
     device = torch.device("cuda")
     model = models.build(args.model, device, torch.bfloat16)
     decode_kernel = apply_decode_kernel(args.decode_kernel)
@@ -207,7 +211,7 @@ def main() -> None:
         gaps = dict(error=repr(error))
     out = dict(run_header(device), model=args.model, batch=args.batch, context=args.context,
                compiled=args.compile, tokens=args.tokens,
-               decode_kernel=decode_kernel, linears=linears, inductor=inductor,
+               decode_kernel=decode_kernel, linears=linears, inductor=inductor, kernel=kernel,
                setup_s=setup_s,
                host_phases_ms=host,
                step_ms=step_ms, replay_only_ms=replay_ms, kernel_ms=kernel_ms,

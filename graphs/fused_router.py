@@ -57,6 +57,9 @@ SIGMOID_LINES = ("hidden_states=hidden_states.view(-1,self.hidden_dim)",
                  "denominator=topk_weights.sum(dim=-1,keepdim=True)+1e-20",
                  "topk_weights=topk_weights*self.routed_scaling_factor")
 CONDITIONAL_NORM = "ifself.norm_topk_prob:"
+# The kernel's warps, read at each call. One: the k rounds of max are shuffles within a warp,
+# with no barrier between warps; 2.5 against 4.2 us a Qwen3-30B-A3B layer at one token (run 109).
+ROUTE_WARPS = 1
 
 
 @triton.jit
@@ -204,7 +207,7 @@ def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None
             GROUPS=routing.groups, TOPK_GROUP=routing.topk_group,
             GROUPS_PAD=triton.next_power_of_2(routing.groups),
             GROUP_PAD=triton.next_power_of_2(group_size), TOP_K=routing.top_k,
-            K_PAD=triton.next_power_of_2(routing.top_k))
+            K_PAD=triton.next_power_of_2(routing.top_k), num_warps=ROUTE_WARPS)
     return weights, ids
 
 

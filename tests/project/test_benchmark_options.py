@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import apply_decode_kernel, apply_inductor_settings
+from benchmarks.common import apply_decode_kernel, apply_inductor_settings, apply_kernel_settings
 from torch_cp.attention import flashinfer_gqa
 
 triton_decode = pytest.importorskip("torch_cp.attention.triton_decode")
@@ -61,6 +61,24 @@ def test_inductor_settings_reach_config_sections():
             with pytest.raises(SystemExit, match="no setting"):
                 apply_inductor_settings(f"max_autotune=False,{bad}")
             assert inductor_config.max_autotune is True  # nothing set before the exit
+
+
+def test_kernel_settings_reach_torch_cp_constants_only(monkeypatch):
+    from torch_cp.attention import triton_decode
+    from torch_cp.graphs import fused_router
+
+    monkeypatch.setattr(fused_router, "ROUTE_WARPS", fused_router.ROUTE_WARPS)
+    monkeypatch.setattr(triton_decode, "MERGE_WARPS", triton_decode.MERGE_WARPS)
+    assert apply_kernel_settings("torch_cp.graphs.fused_router.ROUTE_WARPS=2,"
+                                 "torch_cp.attention.triton_decode.MERGE_WARPS=8") == {
+        "torch_cp.graphs.fused_router.ROUTE_WARPS": 2,
+        "torch_cp.attention.triton_decode.MERGE_WARPS": 8}
+    assert fused_router.ROUTE_WARPS == 2 and triton_decode.MERGE_WARPS == 8
+    for bad in ("torch_cp.graphs.fused_router.NO_SUCH=1", "torch_cp.no_such_module.X=1",
+                "torch_cp.graphs.fused_router.route=1", "os.SEEK_SET=1"):
+        with pytest.raises(SystemExit, match="no setting"):
+            apply_kernel_settings(f"torch_cp.graphs.fused_router.ROUTE_WARPS=4,{bad}")
+        assert fused_router.ROUTE_WARPS == 2  # nothing set before the exit
 
 
 def test_the_grouped_tiles_space():
