@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from torch_cp import compat
+from torch_cp import compat, pdl
 from torch_cp.layers import decoder_layers
 
 # Graphs the capture may compile: up to twelve as above, and more for mixed buckets; Dynamo's
@@ -40,7 +40,9 @@ def compiled_layers(model, layers: list[torch.nn.Module] | None = None) -> Itera
     compiled before (Dynamo caches them by code and guards) and each layer's ``torch.compile``
     wrapper, so the engine enters it around each eager step it compiles, passing ``layers``
     (``decoder_layers(model)``, found once). On the 2-core development machine, for 36 layers,
-    making the wrappers took 9 ms and walking the module tree for the layers 3 ms an entry."""
+    making the wrappers took 9 ms and walking the module tree for the layers 3 ms an entry.
+    Where ``torch_cp.pdl`` is active on the layers' device, Inductor generates its kernels for
+    the dependent launch too (read as it compiles: a layer compiled before keeps its kernels)."""
     layers = decoder_layers(model) if layers is None else layers
     before = [compat.compiled_call(layer) for layer in layers]
     for layer in layers:
@@ -48,9 +50,18 @@ def compiled_layers(model, layers: list[torch.nn.Module] | None = None) -> Itera
         if getattr(layer, "_torch_cp_compiled_call", None) is None:
             layer._torch_cp_compiled_call = compat.compile_call(layer)
         compat.set_compiled_call(layer, layer._torch_cp_compiled_call)
+    on_pdl = pdl.active(_device_of(layers))
     try:
-        with compat.dynamo_layer_options(RECOMPILE_LIMIT):
+        with compat.dynamo_layer_options(RECOMPILE_LIMIT), compat.inductor_pdl(on_pdl):
             yield
     finally:
         for layer, call in zip(layers, before):
             compat.set_compiled_call(layer, call)
+
+
+def _device_of(layers: list[torch.nn.Module]) -> torch.device:
+    """The device of the first parameter of ``layers`` (the CPU without any)."""
+    for layer in layers:
+        for p in layer.parameters():
+            return p.device
+    return torch.device("cpu")

@@ -9,6 +9,8 @@ naming the hook, when one moves.
   compilation.
 - ``torch._dynamo.config`` ``allow_unspec_int_on_nn_module`` and ``recompile_limit``: the layer
   index traced as a symbol, and room for the graphs a capture compiles.
+- ``torch._inductor.config.triton.enable_pdl``: Inductor's kernels launched as dependent launches
+  (``torch_cp/pdl.py``), set around the compiled layers' compilation when torch_cp's are.
 - ``torch.distributed._functional_collectives``: traceable collectives (``all_gather_tensor`` was
   renamed ``all_gather_single`` in torch 2.13; the GPU machine's 2.11 has only the old name).
 - ``GenerationMixin._prepare_cache_for_generation``: where ``model.generate`` builds its cache;
@@ -89,6 +91,7 @@ PREPARE_CACHE = "_prepare_cache_for_generation"
 PREPARE_CACHE_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size",
                         "max_cache_length")
 DYNAMO_OPTIONS = ("allow_unspec_int_on_nn_module", "recompile_limit")
+INDUCTOR_PDL = "triton.enable_pdl"
 
 
 def compile_call(module: nn.Module) -> Callable:
@@ -113,6 +116,17 @@ def dynamo_layer_options(recompile_limit: int) -> Iterator[None]:
     to ``recompile_limit`` graphs per code object, within the block."""
     with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
                                     recompile_limit=recompile_limit):
+        yield
+
+
+@contextlib.contextmanager
+def inductor_pdl(on: bool) -> Iterator[None]:
+    """Inductor's own Triton kernels take the dependent launch (``triton.enable_pdl``, read as
+    it generates code) within the block, where ``on``; else nothing changes."""
+    if not on:
+        yield
+        return
+    with torch._inductor.config.patch({INDUCTOR_PDL: True}):
         yield
 
 

@@ -20,20 +20,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-@pytest.mark.parametrize("n, k, bias, dtype, wide", [
-    (13, 100, True, torch.bfloat16, False),   # rows and input not multiples of the tile
-    (16, 2048, False, torch.float16, False),  # two input slices
-    (40, 1536, True, torch.bfloat16, False),  # a partial last slice
-    (44, 1300, True, torch.bfloat16, True),   # the wide weights' tile, three slices
+@pytest.mark.parametrize("n, k, bias, dtype, wide, prefetch", [
+    (13, 100, True, torch.bfloat16, False, False),   # rows and input not multiples of the tile
+    (16, 2048, False, torch.float16, False, False),  # two input slices
+    (40, 1536, True, torch.bfloat16, False, False),  # a partial last slice
+    (44, 1300, True, torch.bfloat16, True, False),   # the wide weights' tile, three slices
+    # The loop of the dependent launch (each next slice loaded ahead), without the launch:
+    (13, 100, True, torch.bfloat16, False, True),    # one partial slice
+    (40, 1536, True, torch.bfloat16, False, True),   # a partial last slice
+    (44, 1300, False, torch.float16, True, True),    # three slices
 ])
-def test_one_token_equals_the_float32_linear(monkeypatch, n, k, bias, dtype, wide):
+def test_one_token_equals_the_float32_linear(monkeypatch, n, k, bias, dtype, wide, prefetch):
     monkeypatch.setattr(gemv, "WIDE_ROWS", 16 if wide else 1 << 30)
     torch.manual_seed(0)
     w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     x = torch.randn(1, 1, k, device=DEVICE).to(dtype)
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    got = gemv.one_token(x, w, b)
+    got = (gemv._launch(x, w, b, on_pdl=False, prefetch=True) if prefetch
+           else gemv.one_token(x, w, b))
     assert got.shape == (1, 1, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=ULP[dtype],
                                atol=1e-5 * want.abs().max().item())
@@ -73,3 +78,48 @@ def test_compiled_linears_run_the_kernel_for_one_token():
                                    atol=1e-5 * want.abs().max().item())
         two = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(two, w), F.linear(two, w), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_dependent_launch_in_a_captured_chain(monkeypatch):
+    """With ``torch_cp.pdl`` on (sm90), compiled code launches the kernel through its op with
+    the dependent launch. Replayed from a CUDA graph with a new input each time, a chain of
+    linears, each reading what the kernel before it wrote, gives what the chain without it
+    gives on that input: a kernel that read its input before the one before had written it
+    would see the previous replay's values. Tolerance: the same sums in the same order, so
+    equal but for rounding of Inductor's kernels between (one bf16 ulp, compounded over six)."""
+    from torch_cp import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the dependent launch needs sm90")
+    torch.manual_seed(0)
+    ws = [(torch.randn(2048, 2048, device="cuda") / 45).to(torch.bfloat16) for _ in range(6)]
+
+    def chain(x):
+        outs = []
+        for w in ws:
+            x = gemv.linear(x, w) * 0.5 + 0.1  # an Inductor kernel between each pair
+            outs.append(x)
+        return torch.stack(outs)
+
+    plain = torch.compile(chain, fullgraph=True)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    torch._dynamo.reset()
+    compiled = torch.compile(chain, fullgraph=True)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            compiled(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = compiled(x)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    for _ in range(4):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = plain(x)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -5,
+                                   atol=2.0 ** -5 * want.abs().max().item())

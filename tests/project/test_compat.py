@@ -40,6 +40,20 @@ def test_dynamo_options_exist():
         assert config.allow_unspec_int_on_nn_module is True and config.recompile_limit == 17
 
 
+def test_inductor_pdl_setting_exists_and_is_scoped():
+    import torch._inductor.config as inductor_config
+
+    section, leaf = compat.INDUCTOR_PDL.split(".")
+    owner = getattr(inductor_config, section)
+    assert hasattr(owner, leaf), f"torch._inductor.config has no {compat.INDUCTOR_PDL}"
+    before = getattr(owner, leaf)
+    with compat.inductor_pdl(True):
+        assert getattr(owner, leaf) is True
+    with compat.inductor_pdl(False):
+        assert getattr(owner, leaf) == before
+    assert getattr(owner, leaf) == before
+
+
 def test_functional_collectives_exist():
     for fn in (compat.all_gather, compat.all_to_all_single, compat.all_reduce,
                compat.wait_tensor):

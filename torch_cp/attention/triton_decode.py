@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_cp import pdl
+
 # The tile, read at each call (so a benchmark can set another: decode_kernels --triton).
 BLOCK_N = 64  # context tokens a program multiplies at a time
 PROGRAMS_PER_SM = 4  # work items a step aims for, per SM
@@ -67,7 +69,9 @@ def _chunks(lens_ptr, token_row_ptr, tokens, spare, NP: tl.constexpr, BLOCK: tl.
 def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_ml_ptr,
             scale_log2, tokens, spare, items, q_sn, q_sh, kv_sp, kv_skv, kv_ss, kv_sh, table_sr,
             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK: tl.constexpr, NP: tl.constexpr, FP32_DOT: tl.constexpr):
+            BLOCK: tl.constexpr, NP: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # every program, before any load (torch_cp/pdl.py)
+    pdl.release(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)
     i, row_i, length_i, count_i, first_i, chunk = _chunks(lens_ptr, token_row_ptr, tokens, spare,
@@ -119,7 +123,9 @@ def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_
 @triton.jit
 def _merge(lens_ptr, token_row_ptr, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, tokens, spare,
            items, out_sn, out_sh, heads_total, G: tl.constexpr, D: tl.constexpr,
-           BLOCK: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr):
+           BLOCK: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.release(PDL)
     n = tl.program_id(0)
     hq = tl.program_id(1)
     i, row_i, length_i, count_i, first_i, chunk = _chunks(lens_ptr, token_row_ptr, tokens, spare,
@@ -173,8 +179,8 @@ def spare_items(tokens: int, kv_heads: int, sms: int, programs_per_sm: int | Non
 
 def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
            lens: torch.Tensor, token_row: torch.Tensor, scale: float, spare: int,
-           block_n: int | None = None, warps: int | None = None, stages: int | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           block_n: int | None = None, warps: int | None = None, stages: int | None = None,
+           on_pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's attention over its row's context in the pool.
 
     Args:
@@ -187,11 +193,14 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
             (one partial chunk a token), the items each KV head has.
         block_n, warps, stages: the attend kernel's context tokens a tile (a power of two, 16
             up), warps and pipeline stages; by default ``BLOCK_N``, ``WARPS``, ``STAGES``.
+        on_pdl: launch both kernels with the dependent launch; by default where
+            ``torch_cp.pdl`` is active.
     Returns:
         out [N, H, D] in q's dtype, lse [N, H] float32 base 2 (0 and -inf without context).
     """
     n, heads, dim = q_nhd.shape
     kv_heads = kv_layer.shape[3]
+    on_pdl = pdl.active(q_nhd) if on_pdl is None else on_pdl
     group = heads // kv_heads
     assert spare >= 1, "the chunk size divides the context by the spare items"
     block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
@@ -207,12 +216,13 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
         q_nhd.stride(0), q_nhd.stride(1), kv_layer.stride(0), kv_layer.stride(1),
         kv_layer.stride(2), kv_layer.stride(3), table.stride(0), G=group,
         GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2], BLOCK=block_n,
-        NP=tokens_p2, FP32_DOT=INTERPRETED or q_nhd.dtype == torch.float32,
+        NP=tokens_p2, FP32_DOT=INTERPRETED or q_nhd.dtype == torch.float32, PDL=on_pdl,
         # 8 warps from head_dim 128: 164-241 registers a thread on sm_90, where 4 warps take
         # 238-254 and spill at 256 (helper 40's resource usage at BLOCK_N 64).
-        num_warps=warps or (8 if dim >= 128 else 4), **({"num_stages": stages} if stages else {}))
+        num_warps=warps or (8 if dim >= 128 else 4), **({"num_stages": stages} if stages else {}),
+        **pdl.launch_options(on_pdl))
     _merge[(n, heads)](
         lens, token_row, part_o, part_ml, out, lse, n, spare, items, out.stride(0),
         out.stride(1), heads, G=group, D=dim, BLOCK=block_n, NP=tokens_p2, SP=MERGE_BLOCK,
-        num_warps=MERGE_WARPS)
+        PDL=on_pdl, num_warps=MERGE_WARPS, **pdl.launch_options(on_pdl))
     return out, lse

@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_cp import pdl
 from torch_cp.kv.pool import rows_dense
 
 
 @triton.jit
 def _write_kv(k_ptr, v_ptr, cache_ptr, index_ptr, k_stride, v_stride, row, page, page_stride,
-              BLOCK: tl.constexpr):
+              BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # before any load or store (torch_cp/pdl.py)
+    pdl.release(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < row
@@ -44,9 +47,10 @@ def write_kv_rows(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
     if tokens == 0:
         return
     page, row = cache.shape[2], cache.shape[3] * cache.shape[4]
+    on_pdl = pdl.active(cache)
     block = min(triton.next_power_of_2(row), 4096)
     # Triton launches on the current device, which need not be the pool's.
     with torch.cuda.device(cache.device) if cache.is_cuda else contextlib.nullcontext():
         _write_kv[(tokens, triton.cdiv(row, block))](
             k_nhd, v_nhd, cache, write_index, k_nhd.stride(0), v_nhd.stride(0), row, page,
-            cache.stride(0), BLOCK=block)
+            cache.stride(0), BLOCK=block, PDL=on_pdl, **pdl.launch_options(on_pdl))

@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (sm90): a kernel's programs start while the kernel before it
+finishes, and wait for it only where they first read what it wrote.
+
+A batch-1 decode layer is a chain of small kernels, and each pays its launch and its first trip
+to memory after the one before has ended: about 2.5 us of a one-token linear's 7.4 (Qwen3-30B-
+A3B's o, run 102; its weight alone takes 3.9 at the copy bandwidth). Launched with
+``launch_pdl``, a kernel whose predecessor has let it start (``release``) runs its prologue
+early: the one-token linears load their first slice of weights, which no kernel writes, then
+``wait`` for the predecessor to end and its writes to be visible, and read their input.
+
+Every program of a kernel launched this way calls ``wait`` before it reads anything an earlier
+kernel wrote and before it ends: a kernel that ended early would let its own successor start
+before the kernel two back had finished. Kernels launched without it (cuBLAS, FlashInfer, the
+copies) start as before, after their predecessor has ended.
+
+Off by default until measured on the GPU: ``TORCH_CP_PDL=1`` in the environment, or
+``ENABLED = True`` (a benchmark's ``--kernel torch_cp.pdl.ENABLED=True``), turns it on for
+torch_cp's own kernels; Inductor's own kernels take it from ``triton.enable_pdl``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("TORCH_CP_PDL") == "1"  # read at each launch
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def active(where: torch.Tensor | torch.device) -> bool:
+    """Whether a kernel launched on this tensor's (or on this) device now takes the dependent
+    launch: on, a CUDA device of compute capability 9 or more, and not Triton's interpreter."""
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    return (ENABLED and device.type == "cuda" and not INTERPRETED
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def launch_options(on: bool) -> dict:
+    """The Triton launch options for a kernel launched with (``on``) or without it."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Until the kernel before has ended and its writes are visible (with ``PDL``)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Lets the next kernel's programs start (with ``PDL``); they still ``wait`` for this one."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
