@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from transformers.integrations import moe
 
-from torch_cp import compat
+from torch_cp import compat, pdl
 from torch_cp.graphs import grouped_experts as ge
 from torch_cp.graphs.experts import capturable
 from torch_cp.graphs.pair_sums import sum_pairs
@@ -72,7 +72,9 @@ def _rows_times(rows, vec_ptr, in_rows, length, BN: tl.constexpr, BK: tl.constex
 
 @triton.jit
 def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, out_ss,
-             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # every program, before any load (torch_cp/pdl.py)
+    pdl.release(PDL)
     # One loop over [2 * BN] rows, gate row j and up row j interleaved (2j, 2j + 1), so both
     # halves' loads are in flight together; split after.
     pair = tl.program_id(0)
@@ -90,7 +92,9 @@ def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, ou
 
 @triton.jit
 def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se, w_sm, out_ss,
-          BN: tl.constexpr, BK: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.release(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     m = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -121,24 +125,50 @@ def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Te
     when), at the given tiles or the module's ``GATE_UP_TILES`` / ``DOWN_TILES``."""
     tokens, hidden = x_td.shape
     top_k = ids_tk.shape[1]
-    pairs = tokens * top_k
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    inter = down.shape[-1]
     x_td = x_td if x_td.stride(-1) == 1 else x_td.contiguous()
     ids, weights = ids_tk.reshape(-1).contiguous(), weights_tk.reshape(-1).contiguous()
+    gu, dn = gate_up_tiles or GATE_UP_TILES, down_tiles or DOWN_TILES
+    args = (x_td, experts.gate_up_proj, experts.down_proj, ids, weights, top_k)
+    if pdl.active(x_td):
+        out_sd = _pairs_pdl(*args, gu.rows, gu.cols, gu.warps, dn.rows, dn.cols, dn.warps)
+    else:
+        out_sd = _pairs(*args, gu, dn, on_pdl=False)
+    return sum_pairs(out_sd.view(tokens, top_k, hidden), x_td.dtype)
+
+
+def _pairs(x_td: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+           weights: torch.Tensor, top_k: int, gu: Tiles, dn: Tiles, on_pdl: bool
+           ) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output [T * k, H] in float32."""
+    pairs, (hidden, inter) = ids.shape[0], down.shape[-2:]
     # fp32 experts keep SiLU(gate) * up in fp32 for bf16 tokens too, as transformers does.
     h_si = torch.empty(pairs, inter, dtype=torch.promote_types(x_td.dtype, gate_up.dtype),
                        device=x_td.device)
-    t = gate_up_tiles or GATE_UP_TILES
-    _gate_up[(pairs, triton.cdiv(inter, t.rows))](
+    _gate_up[(pairs, triton.cdiv(inter, gu.rows))](
         x_td, gate_up, ids, h_si, hidden, inter, x_td.stride(0), gate_up.stride(0),
-        gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BN=t.rows, BK=t.cols, num_warps=t.warps)
+        gate_up.stride(1), h_si.stride(0), TOP_K=top_k, BN=gu.rows, BK=gu.cols, PDL=on_pdl,
+        num_warps=gu.warps, **pdl.launch_options(on_pdl))
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
-    t = down_tiles or DOWN_TILES
-    _down[(pairs, triton.cdiv(hidden, t.rows))](
+    _down[(pairs, triton.cdiv(hidden, dn.rows))](
         h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
-        down.stride(1), out_sd.stride(0), BN=t.rows, BK=t.cols, num_warps=t.warps)
-    return sum_pairs(out_sd.view(tokens, top_k, hidden), x_td.dtype)
+        down.stride(1), out_sd.stride(0), BN=dn.rows, BK=dn.cols, PDL=on_pdl,
+        num_warps=dn.warps, **pdl.launch_options(on_pdl))
+    return out_sd
+
+
+# Behind an op, the kernels are launched from here with the dependent launch (Inductor launches
+# the Triton kernels it traces without launch options; torch_cp/gemv.py).
+@torch.library.custom_op("torch_cp::fused_expert_pairs", mutates_args=())
+def _pairs_pdl(x_td: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor, top_k: int, gu_rows: int, gu_cols: int, gu_warps: int,
+               dn_rows: int, dn_cols: int, dn_warps: int) -> torch.Tensor:
+    return _pairs(x_td, gate_up, down, ids, weights, top_k, Tiles(gu_rows, gu_cols, gu_warps),
+                  Tiles(dn_rows, dn_cols, dn_warps), on_pdl=True)
+
+
+@_pairs_pdl.register_fake
+def _(x_td, gate_up, down, ids, weights, top_k, *tiles):
+    return x_td.new_empty(ids.shape[0], down.shape[-2], dtype=torch.float32)
 
 
 def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,

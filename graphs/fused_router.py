@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import nn
 from torch.nn import functional as F
 
-from torch_cp import gemv
+from torch_cp import gemv, pdl
 from torch_cp.graphs.experts import moe_blocks
 from torch_cp.layers import forward_source
 
@@ -73,7 +73,10 @@ def _chosen_first_if_nan(choice, valid):
 def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logits_st, scale,
            SIGMOID: tl.constexpr, NORM: tl.constexpr,
            GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS_PAD: tl.constexpr,
-           GROUP_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+           GROUP_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+           PDL: tl.constexpr):
+    pdl.wait(PDL)  # every program, before any load (torch_cp/pdl.py)
+    pdl.release(PDL)
     token = tl.program_id(0)
     g = tl.arange(0, GROUPS_PAD)[:, None]
     j = tl.arange(0, GROUP_PAD)[None, :]
@@ -192,10 +195,18 @@ def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], expert ids [T, k] int64) for router logits ``logits_te`` [T, E] (and
     the sigmoid kind's score-correction bias ``bias_e`` [E]), as the router computes them."""
+    assert (bias_e is not None) == (routing.kind == "sigmoid")
+    logits_te = logits_te if logits_te.stride(-1) == 1 else logits_te.contiguous()
+    if pdl.active(logits_te):
+        return _route_pdl(logits_te, bias_e, routing.kind, routing.top_k, routing.normalise,
+                          routing.groups, routing.topk_group, routing.scale)
+    return _launch(routing, logits_te, bias_e, on_pdl=False)
+
+
+def _launch(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None,
+            on_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, experts = logits_te.shape
     sigmoid = routing.kind == "sigmoid"
-    assert (bias_e is not None) == sigmoid
-    logits_te = logits_te if logits_te.stride(-1) == 1 else logits_te.contiguous()
     weights = torch.empty(tokens, routing.top_k, device=logits_te.device,
                           dtype=torch.float32 if sigmoid else logits_te.dtype)
     ids = torch.empty(tokens, routing.top_k, dtype=torch.int64, device=logits_te.device)
@@ -207,8 +218,27 @@ def route(routing: Routing, logits_te: torch.Tensor, bias_e: torch.Tensor | None
             GROUPS=routing.groups, TOPK_GROUP=routing.topk_group,
             GROUPS_PAD=triton.next_power_of_2(routing.groups),
             GROUP_PAD=triton.next_power_of_2(group_size), TOP_K=routing.top_k,
-            K_PAD=triton.next_power_of_2(routing.top_k), num_warps=ROUTE_WARPS)
+            K_PAD=triton.next_power_of_2(routing.top_k), PDL=on_pdl, num_warps=ROUTE_WARPS,
+            **pdl.launch_options(on_pdl))
     return weights, ids
+
+
+# Behind an op, the kernel is launched from here with the dependent launch (Inductor launches
+# the Triton kernels it traces without launch options; torch_cp/gemv.py).
+@torch.library.custom_op("torch_cp::route", mutates_args=())
+def _route_pdl(logits_te: torch.Tensor, bias_e: torch.Tensor | None, kind: str, top_k: int,
+               normalise: bool, groups: int, topk_group: int, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    routing = Routing(kind, top_k, normalise, groups, topk_group, scale)
+    return _launch(routing, logits_te, bias_e, on_pdl=True)
+
+
+@_route_pdl.register_fake
+def _(logits_te, bias_e, kind, top_k, normalise, groups, topk_group, scale):
+    tokens = logits_te.shape[0]
+    dtype = torch.float32 if kind == "sigmoid" else logits_te.dtype
+    return (logits_te.new_empty(tokens, top_k, dtype=dtype),
+            logits_te.new_empty(tokens, top_k, dtype=torch.int64))
 
 
 def fused_forward(router: nn.Module):

@@ -6,7 +6,11 @@ to memory after the one before has ended: about 2.5 us of a one-token linear's 7
 A3B's o, run 102; its weight alone takes 3.9 at the copy bandwidth). Launched with
 ``launch_pdl``, a kernel whose predecessor has let it start (``release``) runs its prologue
 early: the one-token linears load their first slice of weights, which no kernel writes, then
-``wait`` for the predecessor to end and its writes to be visible, and read their input.
+``wait`` for the predecessor to end and its writes to be visible, and read their input. The
+Triton decode and its merge, the pool write, the router and the fused experts only wait (they
+read nothing before that no kernel writes). Kernels that compiled code calls go behind ops
+(``torch_cp::one_token_linear``, ``::route``, ``::fused_expert_pairs``), since Inductor launches
+the Triton kernels it traces without launch options.
 
 Every program of a kernel launched this way calls ``wait`` before it reads anything an earlier
 kernel wrote and before it ends: a kernel that ended early would let its own successor start

@@ -181,3 +181,27 @@ def test_two_processes_on_one_gpu_match_one(mode, backend, dtype):
         d = next(i for i, (x, y) in enumerate(zip(want, got)) if x != y)
         gap = near_tie_gap(prompt, want[:d], want[d], got[d])
         assert gap < 0.1, f"tokens differ at {d} where P = 1 prefers {want[d]} by {gap:.3f}"
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dependent_launches_give_the_tokens_without_them(name, rows, monkeypatch):
+    """``torch_cp.pdl`` on (sm90): torch_cp's kernels (the one-token linears with one row, the
+    Triton decode, the pool write) and Inductor's in the compiled layers start as dependent
+    launches in the captured steps; bf16 tokens equal the same engine's without, up to
+    near-ties."""
+    from torch_cp import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the dependent launch needs sm90")
+    model = torch_cp.patch_model(MODELS[name]().cuda(), backend="flashinfer")
+    kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, max_pages_per_row=8,
+                  compile=True, overlap_planning=True)
+    batch = prompts()[:rows]
+    without = tokens(torch_cp.Engine(model, **kwargs).run(batch, NEW_TOKENS))
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    torch._dynamo.reset()  # Inductor's kernels generated again, for the dependent launch
+    engine = torch_cp.Engine(model, **kwargs)
+    got = tokens(engine.run(batch, NEW_TOKENS))
+    assert engine.replayed_steps >= NEW_TOKENS - 2
+    assert_equal_but_near_ties(MODELS[name]().cuda(), without, got)

@@ -56,3 +56,29 @@ def test_moe_captured_and_compiled_gives_the_reference_tokens(name, backend, dty
     unpatched.set_experts_implementation(reference_experts)
     assert_equal_but_near_ties(unpatched, expected, got)
     assert_equal_but_near_ties(unpatched, expected, plain)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe_lite"])
+def test_dependent_launches_give_the_tokens_without_them(name, rows, monkeypatch):
+    """``torch_cp.pdl`` on (sm90): the router, the fused experts, the one-token linears (one
+    row), the Triton decode and the pool write of torch_cp, and Inductor's kernels in the
+    compiled layers, start as dependent launches in the captured steps; bf16 tokens equal the
+    same engine's without, up to near-ties (the same kernels, so in practice equal)."""
+    from torch_cp import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the dependent launch needs sm90")
+    build = MOE_MODELS[name]
+    model = torch_cp.patch_model(build(torch.bfloat16).cuda(), backend="flashinfer")
+    model.set_experts_implementation("torch_cp_fused")
+    kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, compile=True,
+                  overlap_planning=True, max_pages_per_row=8)
+    batch = prompts()[:rows]
+    without = tokens(torch_cp.Engine(model, **kwargs).run(batch, NEW_TOKENS))
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    torch._dynamo.reset()  # Inductor's kernels generated again, for the dependent launch
+    engine = torch_cp.Engine(model, **kwargs)
+    got = tokens(engine.run(batch, NEW_TOKENS))
+    assert engine.replayed_steps >= NEW_TOKENS - 2
+    assert_equal_but_near_ties(build(torch.bfloat16).cuda(), without, got)
