@@ -40,3 +40,41 @@ def test_compiled_layers_ask_inductor_for_it_where_active(monkeypatch):
     monkeypatch.setattr(pdl, "active", lambda where: False)
     with regional.compiled_layers(model):
         assert inductor_config.triton.enable_pdl == before
+
+
+def test_the_ops_trace_to_what_the_kernels_give():
+    """The kernels behind ops for the dependent launch trace with fake tensors (as compiled
+    code sees them) to the shapes and dtypes the kernels give launched without it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_cp import gemv
+    from torch_cp.graphs import fused_experts as fe
+    from torch_cp.graphs import fused_router as fr
+
+    def traced(fn, *args):
+        graph = make_fx(fn, tracing_mode="fake")(*args)
+        (node,) = [n for n in graph.graph.nodes if n.op == "call_function"
+                   and str(n.target).startswith("torch_cp.")]
+        vals = node.meta["val"]
+        return [(v.shape, v.dtype) for v in (vals if isinstance(vals, tuple) else (vals,))]
+
+    def real(*outs):
+        return [(t.shape, t.dtype) for t in outs]
+
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(24, 64, dtype=torch.bfloat16)
+    assert traced(lambda x, w: gemv._one_token_pdl(x, w, None), x, w) == real(
+        gemv._launch(x, w, None, on_pdl=False))
+    logits = torch.randn(3, 16, dtype=torch.bfloat16)
+    softmax = fr.Routing("softmax", 4, True)
+    assert traced(lambda t: fr._route_pdl(t, None, "softmax", 4, True, 1, 1, 1.0), logits) == (
+        real(*fr._launch(softmax, logits, None, on_pdl=False)))
+    logits, bias = torch.randn(3, 16), torch.zeros(16)
+    sigmoid = fr.Routing("sigmoid", 4, True, 4, 2, 2.5)
+    assert traced(lambda t, b: fr._route_pdl(t, b, "sigmoid", 4, True, 4, 2, 2.5),
+                  logits, bias) == real(*fr._launch(sigmoid, logits, bias, on_pdl=False))
+    x, ids, weights = torch.randn(2, 32), torch.randint(0, 8, (4,)), torch.rand(4)
+    gate_up, down = torch.randn(8, 48, 32), torch.randn(8, 32, 24)
+    tiles = fe.Tiles(16, 32, 4)
+    assert traced(lambda *a: fe._pairs_pdl(*a, 2, 16, 32, 4, 16, 32, 4),
+                  x, gate_up, down, ids, weights) == real(
+        fe._pairs(x, gate_up, down, ids, weights, 2, tiles, tiles, on_pdl=False))
