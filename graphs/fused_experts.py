@@ -31,6 +31,7 @@ from torch_cp.graphs import grouped_experts as ge
 from torch_cp.graphs.experts import capturable
 from torch_cp.graphs.pair_sums import sum_pairs
 from torch_cp.graphs.sorted_experts import sorted_experts
+from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
 
 NAME = "torch_cp_fused"
 MAX_PAIRS = 64  # (token, expert) pairs a step may have to take the kernels
@@ -73,8 +74,8 @@ def _rows_times(rows, vec_ptr, in_rows, length, BN: tl.constexpr, BK: tl.constex
 @triton.jit
 def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, out_ss,
              TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)  # every program, before any load (torch_cp/pdl.py)
-    pdl.release(PDL)
+    pdl_wait(PDL)  # every program, before any load (torch_cp/pdl.py)
+    pdl_release(PDL)
     # One loop over [2 * BN] rows, gate row j and up row j interleaved (2j, 2j + 1), so both
     # halves' loads are in flight together; split after.
     pair = tl.program_id(0)
@@ -93,8 +94,8 @@ def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, ou
 @triton.jit
 def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se, w_sm, out_ss,
           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
-    pdl.release(PDL)
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     m = tl.program_id(1) * BN + tl.arange(0, BN)

@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from torch_cp import gemv, pdl
 from torch_cp.graphs.experts import moe_blocks
 from torch_cp.layers import forward_source
+from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
 
 # Fragments of transformers' router forwards (whitespace removed) that say what they compute.
 SOFTMAX_LINES = ("hidden_states=hidden_states.reshape(-1,self.hidden_dim)",
@@ -75,8 +76,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, group_size, logi
            GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS_PAD: tl.constexpr,
            GROUP_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
            PDL: tl.constexpr):
-    pdl.wait(PDL)  # every program, before any load (torch_cp/pdl.py)
-    pdl.release(PDL)
+    pdl_wait(PDL)  # every program, before any load (torch_cp/pdl.py)
+    pdl_release(PDL)
     token = tl.program_id(0)
     g = tl.arange(0, GROUPS_PAD)[:, None]
     j = tl.arange(0, GROUP_PAD)[None, :]

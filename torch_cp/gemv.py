@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from torch_cp import pdl
 from torch_cp.layers import decoder_layers
+from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
 
 ROWS = 8  # weight rows a program sums
 # (input features a program reads at a time, warps): at most 4096 rows the wider slice keeps
@@ -59,8 +60,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_sn, HAS_BIAS: tl.constexpr,
         rows = w_ptr + n.to(tl.int64)[:, None] * w_sn
         k = tl.arange(0, BLOCK_K)
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        pdl.wait(PDL)
-        pdl.release(PDL)
+        pdl_wait(PDL)
+        pdl_release(PDL)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0)
             nxt = k0 + BLOCK_K + k

@@ -4,15 +4,15 @@ finishes, and wait for it only where they first read what it wrote.
 A batch-1 decode layer is a chain of small kernels, and each pays its launch and its first trip
 to memory after the one before has ended: about 2.5 us of a one-token linear's 7.4 (Qwen3-30B-
 A3B's o, run 102; its weight alone takes 3.9 at the copy bandwidth). Launched with
-``launch_pdl``, a kernel whose predecessor has let it start (``release``) runs its prologue
+``launch_pdl``, a kernel whose predecessor has let it start (``pdl_release``) runs its prologue
 early: the one-token linears load their first slice of weights, which no kernel writes, then
-``wait`` for the predecessor to end and its writes to be visible, and read their input. The
+``pdl_wait`` for the predecessor to end and its writes to be visible, and read their input. The
 Triton decode and its merge, the pool write, the router and the fused experts only wait (they
 read nothing before that no kernel writes). Kernels that compiled code calls go behind ops
 (``torch_cp::one_token_linear``, ``::route``, ``::fused_expert_pairs``), since Inductor launches
 the Triton kernels it traces without launch options.
 
-Every program of a kernel launched this way calls ``wait`` before it reads anything an earlier
+Every program of a kernel launched this way calls ``pdl_wait`` before it reads anything an earlier
 kernel wrote and before it ends: a kernel that ended early would let its own successor start
 before the kernel two back had finished. Kernels launched without it (cuBLAS, FlashInfer, the
 copies) start as before, after their predecessor has ended.
@@ -20,6 +20,11 @@ copies) start as before, after their predecessor has ended.
 Off by default until measured on the GPU: ``TORCH_CP_PDL=1`` in the environment, or
 ``ENABLED = True`` (a benchmark's ``--kernel torch_cp.pdl.ENABLED=True``), turns it on for
 torch_cp's own kernels; Inductor's own kernels take it from ``triton.enable_pdl``.
+
+Kernels import ``pdl_wait`` and ``pdl_release`` by name: where compiled code traces a kernel
+(launched without the dependent launch), Inductor copies its source and the Triton functions it
+names into the code it generates, but not a module (``pdl.pdl_wait`` there: ``NameError:
+'pdl' is not defined``, run 114). ``tests/core/test_kernels_in_inductor.py`` checks every kernel.
 """
 
 from __future__ import annotations
@@ -48,14 +53,14 @@ def launch_options(on: bool) -> dict:
 
 
 @triton.jit
-def wait(PDL: tl.constexpr):
+def pdl_wait(PDL: tl.constexpr):
     """Until the kernel before has ended and its writes are visible (with ``PDL``)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
-def release(PDL: tl.constexpr):
-    """Lets the next kernel's programs start (with ``PDL``); they still ``wait`` for this one."""
+def pdl_release(PDL: tl.constexpr):
+    """Lets the next kernel's programs start (with ``PDL``); they still wait for this one."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()

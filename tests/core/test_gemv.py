@@ -40,6 +40,8 @@ def test_one_token_equals_the_float32_linear(monkeypatch, n, k, bias, dtype, wid
     got = (gemv._launch(x, w, b, on_pdl=False, prefetch=True) if prefetch
            else gemv.one_token(x, w, b))
     assert got.shape == (1, 1, n) and got.dtype == dtype
+    if prefetch:  # the same sums in the same order as the plain loop's
+        assert torch.equal(got, gemv._launch(x, w, b, on_pdl=False, prefetch=False))
     torch.testing.assert_close(got.float(), want, rtol=ULP[dtype],
                                atol=1e-5 * want.abs().max().item())
 
@@ -81,45 +83,57 @@ def test_compiled_linears_run_the_kernel_for_one_token():
 
 
 @pytest.mark.gpu
-def test_dependent_launch_in_a_captured_chain(monkeypatch):
+@pytest.mark.parametrize("between", [False, True])
+def test_dependent_launch_in_a_captured_chain(monkeypatch, between):
     """With ``torch_cp.pdl`` on (sm90), compiled code launches the kernel through its op with
     the dependent launch. Replayed from a CUDA graph with a new input each time, a chain of
-    linears, each reading what the kernel before it wrote, gives what the chain without it
-    gives on that input: a kernel that read its input before the one before had written it
-    would see the previous replay's values. Tolerance: the same sums in the same order, so
-    equal but for rounding of Inductor's kernels between (one bf16 ulp, compounded over six)."""
-    from torch_cp import pdl
+    linears, each reading what the one before wrote (directly, or through an Inductor kernel
+    generated with the dependent launch too: ``between``), gives what the chain compiled without
+    it gives on that input. A kernel that read its input before the one before had written it
+    would see values of the previous replay (or none), unrelated to this replay's: each
+    linear's 4096-wide weight takes microseconds to read, so the window is wide, and 50 replays
+    of six links give it many chances. Tolerance: the same sums in the same order, so equal but
+    for rounding (a bf16 ulp or two, compounded over six links); a stale input misses by the
+    size of the outputs."""
+    from torch_cp import compat, pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the dependent launch needs sm90")
     torch.manual_seed(0)
-    ws = [(torch.randn(2048, 2048, device="cuda") / 45).to(torch.bfloat16) for _ in range(6)]
+    ws = [(torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16) for _ in range(6)]
 
     def chain(x):
         outs = []
         for w in ws:
-            x = gemv.linear(x, w) * 0.5 + 0.1  # an Inductor kernel between each pair
+            x = gemv.linear(x, w)
+            if between:
+                x = x * 0.5 + 0.1
             outs.append(x)
         return torch.stack(outs)
 
     plain = torch.compile(chain, fullgraph=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
+    launched_with = []
+    options = pdl.launch_options
+    monkeypatch.setattr(pdl, "launch_options", lambda on: launched_with.append(on) or options(on))
     torch._dynamo.reset()
     compiled = torch.compile(chain, fullgraph=True)
-    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with compat.inductor_pdl(between), torch.cuda.stream(stream):
         for _ in range(2):
             compiled(x)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = compiled(x)
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = compiled(x)
+    assert launched_with and all(launched_with)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    for _ in range(4):
+    for _ in range(50):
         x.copy_(torch.randn_like(x))
         graph.replay()
         want = plain(x)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -5,
-                                   atol=2.0 ** -5 * want.abs().max().item())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -6,
+                                   atol=2.0 ** -6 * want.abs().max().item())

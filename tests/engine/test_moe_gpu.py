@@ -16,7 +16,14 @@ import logging
 
 import pytest
 import torch
-from gpu_models import MOE_MODELS, NEW_TOKENS, assert_equal_but_near_ties, prompts, tokens
+from gpu_models import (
+    MOE_MODELS,
+    NEW_TOKENS,
+    assert_equal_but_near_ties,
+    prompts,
+    spy_dependent_launches,
+    tokens,
+)
 
 import torch_cp
 
@@ -61,12 +68,10 @@ def test_moe_captured_and_compiled_gives_the_reference_tokens(name, backend, dty
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe_lite"])
 def test_dependent_launches_give_the_tokens_without_them(name, rows, monkeypatch):
-    """``torch_cp.pdl`` on (sm90): the router, the fused experts, the one-token linears (one
-    row), the Triton decode and the pool write of torch_cp, and Inductor's kernels in the
-    compiled layers, start as dependent launches in the captured steps; bf16 tokens equal the
-    same engine's without, up to near-ties (the same kernels, so in practice equal)."""
-    from torch_cp import pdl
-
+    """``torch_cp.pdl`` on (sm90): in the captured steps the router and the fused experts start
+    as dependent launches, with the one-token linears (one row), the Triton decode (one row) and
+    the pool write of the GQA model, and Inductor's kernels in the compiled layers; bf16 tokens
+    equal the same engine's without, up to near-ties (the same kernels, so in practice equal)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the dependent launch needs sm90")
     build = MOE_MODELS[name]
@@ -76,9 +81,13 @@ def test_dependent_launches_give_the_tokens_without_them(name, rows, monkeypatch
                   overlap_planning=True, max_pages_per_row=8)
     batch = prompts()[:rows]
     without = tokens(torch_cp.Engine(model, **kwargs).run(batch, NEW_TOKENS))
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    seen = spy_dependent_launches(monkeypatch)
     torch._dynamo.reset()  # Inductor's kernels generated again, for the dependent launch
     engine = torch_cp.Engine(model, **kwargs)
     got = tokens(engine.run(batch, NEW_TOKENS))
     assert engine.replayed_steps >= NEW_TOKENS - 2
+    expected = {"fused_router", "fused_experts"} | ({"gemv"} if rows == 1 else set()) | (
+        {"write_kernel"} | ({"triton_decode"} if rows == 1 else set()) if name == "qwen3_moe"
+        else set())
+    assert True in seen["inductor"] and expected <= seen["kernels"], seen
     assert_equal_but_near_ties(build(torch.bfloat16).cuda(), without, got)

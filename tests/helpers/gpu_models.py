@@ -60,6 +60,34 @@ def assert_equal_but_near_ties(model, want_streams, have_streams, prompt_ids=Non
             router_flip_explains(model, ids, have[d]), (prompt, d, a, b)
 
 
+
+def spy_dependent_launches(monkeypatch) -> dict[str, set]:
+    """Turns ``torch_cp.pdl`` on and records where it acts: the modules whose kernels were
+    launched with the dependent launch (``"kernels"``: ``gemv``, ``triton_decode``,
+    ``write_kernel``, ``fused_router``, ``fused_experts``) and whether the compiled layers
+    generated Inductor's kernels for it (``"inductor"``), so a test of it cannot pass with
+    nothing launched so."""
+    import sys
+
+    from torch_cp import compat, pdl
+
+    seen = {"kernels": set(), "inductor": set()}
+    options, inductor = pdl.launch_options, compat.inductor_pdl
+
+    def launch_options(on):
+        if on and not torch.compiler.is_compiling():
+            seen["kernels"].add(sys._getframe(1).f_globals["__name__"].rsplit(".", 1)[-1])
+        return options(on)
+
+    def inductor_pdl(on):
+        seen["inductor"].add(on)
+        return inductor(on)
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "launch_options", launch_options)
+    monkeypatch.setattr(compat, "inductor_pdl", inductor_pdl)
+    return seen
+
 # kv_lora_rank 512 / rope 64: FlashInfer's prebuilt MLA kernels.
 MLA = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16,

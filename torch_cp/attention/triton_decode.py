@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from torch_cp import pdl
+from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
 
 # The tile, read at each call (so a benchmark can set another: decode_kernels --triton).
 BLOCK_N = 64  # context tokens a program multiplies at a time
@@ -70,8 +71,8 @@ def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_
             scale_log2, tokens, spare, items, q_sn, q_sh, kv_sp, kv_skv, kv_ss, kv_sh, table_sr,
             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
             BLOCK: tl.constexpr, NP: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)  # every program, before any load (torch_cp/pdl.py)
-    pdl.release(PDL)
+    pdl_wait(PDL)  # every program, before any load (torch_cp/pdl.py)
+    pdl_release(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)
     i, row_i, length_i, count_i, first_i, chunk = _chunks(lens_ptr, token_row_ptr, tokens, spare,
@@ -124,8 +125,8 @@ def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_
 def _merge(lens_ptr, token_row_ptr, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, tokens, spare,
            items, out_sn, out_sh, heads_total, G: tl.constexpr, D: tl.constexpr,
            BLOCK: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
-    pdl.release(PDL)
+    pdl_wait(PDL)
+    pdl_release(PDL)
     n = tl.program_id(0)
     hq = tl.program_id(1)
     i, row_i, length_i, count_i, first_i, chunk = _chunks(lens_ptr, token_row_ptr, tokens, spare,

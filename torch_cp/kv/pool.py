@@ -76,8 +76,8 @@ def rows_dense(x_nhd: torch.Tensor) -> bool:
 
 @functools.cache
 def _kernel_writer():
-    """``write_kernel.write_kv_rows`` where Triton is (a CUDA torch brings it), else None;
-    imported on first GPU use, so the CPU never imports Triton."""
+    """``write_kernel.write_kv_rows`` where Triton is installed (a dependency on Linux), else
+    None (``index_put_`` instead); imported on first GPU use."""
     try:
         from torch_cp.kv.write_kernel import write_kv_rows
     except ImportError:

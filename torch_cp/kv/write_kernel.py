@@ -17,13 +17,14 @@ import triton.language as tl
 
 from torch_cp import pdl
 from torch_cp.kv.pool import rows_dense
+from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
 
 
 @triton.jit
 def _write_kv(k_ptr, v_ptr, cache_ptr, index_ptr, k_stride, v_stride, row, page, page_stride,
               BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)  # before any load or store (torch_cp/pdl.py)
-    pdl.release(PDL)
+    pdl_wait(PDL)  # before any load or store (torch_cp/pdl.py)
+    pdl_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < row
