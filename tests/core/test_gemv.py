@@ -130,7 +130,10 @@ def test_dependent_launch_in_a_captured_chain(monkeypatch, between):
             got = compiled(x)
     torch.cuda.current_stream().wait_stream(stream)
     assert launched_with and all(launched_with)
+    # Off, and the spy gone: Dynamo would trace it into ``plain`` and guard on the list's length
+    # (a recompile a call, past Dynamo's limit: run 116).
     monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "launch_options", options)
     for _ in range(50):
         x.copy_(torch.randn_like(x))
         graph.replay()
