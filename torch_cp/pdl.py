@@ -17,14 +17,16 @@ kernel wrote and before it ends: a kernel that ended early would let its own suc
 before the kernel two back had finished. Kernels launched without it (cuBLAS, FlashInfer, the
 copies) start as before, after their predecessor has ended.
 
-Off by default until measured on the GPU: ``TORCH_CP_PDL=1`` in the environment, or
-``ENABLED = True`` (a benchmark's ``--kernel torch_cp.pdl.ENABLED=True``), turns it on for
-torch_cp's own kernels; Inductor's own kernels take it from ``triton.enable_pdl``.
+Off by default until every GPU test has run with it (runs 114-116: -9 % a Qwen3-30B-A3B step at
+one token, -4.5 % GLM-4.7-Flash's, -1 % Qwen3-8B's; BENCHMARKS.md): ``TORCH_CP_PDL=1`` in the
+environment, or ``ENABLED = True`` (a benchmark's ``--kernel torch_cp.pdl.ENABLED=True``), turns
+it on for torch_cp's own kernels; Inductor's own kernels take it from ``triton.enable_pdl``.
 
 Kernels import ``pdl_wait`` and ``pdl_release`` by name: where compiled code traces a kernel
 (launched without the dependent launch), Inductor copies its source and the Triton functions it
-names into the code it generates, but not a module (``pdl.pdl_wait`` there: ``NameError:
-'pdl' is not defined``, run 114). ``tests/core/test_kernels_in_inductor.py`` checks every kernel.
+names into the code it generates, but not a module (a kernel that called ``pdl.wait`` failed
+there: ``NameError: 'pdl' is not defined``, run 114); ``tests/core/test_kernels_in_inductor.py``
+checks every kernel.
 """
 
 from __future__ import annotations

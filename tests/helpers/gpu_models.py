@@ -60,7 +60,6 @@ def assert_equal_but_near_ties(model, want_streams, have_streams, prompt_ids=Non
             router_flip_explains(model, ids, have[d]), (prompt, d, a, b)
 
 
-
 def spy_dependent_launches(monkeypatch) -> dict[str, set]:
     """Turns ``torch_cp.pdl`` on and records where it acts: the modules whose kernels were
     launched with the dependent launch (``"kernels"``: ``gemv``, ``triton_decode``,
@@ -87,6 +86,7 @@ def spy_dependent_launches(monkeypatch) -> dict[str, set]:
     monkeypatch.setattr(pdl, "launch_options", launch_options)
     monkeypatch.setattr(compat, "inductor_pdl", inductor_pdl)
     return seen
+
 
 # kv_lora_rank 512 / rope 64: FlashInfer's prebuilt MLA kernels.
 MLA = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
