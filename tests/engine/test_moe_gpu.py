@@ -20,6 +20,7 @@ from gpu_models import (
     MOE_MODELS,
     NEW_TOKENS,
     assert_equal_but_near_ties,
+    dependent_launch_kernels,
     prompts,
     spy_dependent_launches,
     tokens,
@@ -86,8 +87,6 @@ def test_dependent_launches_give_the_tokens_without_them(name, rows, monkeypatch
     engine = torch_cp.Engine(model, **kwargs)
     got = tokens(engine.run(batch, NEW_TOKENS))
     assert engine.replayed_steps >= NEW_TOKENS - 2
-    expected = {"fused_router", "fused_experts"} | ({"gemv"} if rows == 1 else set()) | (
-        {"write_kernel"} | ({"triton_decode"} if rows == 1 else set()) if name == "qwen3_moe"
-        else set())
+    expected = dependent_launch_kernels(rows, gqa=name == "qwen3_moe", moe=True)
     assert True in seen["inductor"] and expected <= seen["kernels"], seen
     assert_equal_but_near_ties(build(torch.bfloat16).cuda(), without, got)

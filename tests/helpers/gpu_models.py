@@ -88,6 +88,19 @@ def spy_dependent_launches(monkeypatch) -> dict[str, set]:
     return seen
 
 
+def dependent_launch_kernels(rows: int, gqa: bool, moe: bool) -> set[str]:
+    """The modules (as ``spy_dependent_launches`` names them) whose kernels a captured step of
+    ``rows`` rows must launch with the dependent launch: the router and the fused experts of an
+    MoE model, the pool write of a GQA model (MLA's pool is written by indexing), and at one
+    row the one-token linears and, for GQA, the Triton decode."""
+    kernels = {"fused_router", "fused_experts"} if moe else set()
+    if gqa:
+        kernels.add("write_kernel")
+    if rows == 1:
+        kernels |= {"gemv", "triton_decode"} if gqa else {"gemv"}
+    return kernels
+
+
 # kv_lora_rank 512 / rope 64: FlashInfer's prebuilt MLA kernels.
 MLA = dict(vocab_size=320, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16,
