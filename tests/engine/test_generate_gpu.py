@@ -20,6 +20,7 @@ from gpu_models import (
 from multirank import run_ranks
 
 import torch_cp
+from torch_cp import pdl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -196,6 +197,7 @@ def test_dependent_launches_give_the_tokens_without_them(name, rows, monkeypatch
     kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, max_pages_per_row=8,
                   compile=True, overlap_planning=True)
     batch = prompts()[:rows]
+    monkeypatch.setattr(pdl, "ENABLED", False)  # whatever the default
     without = tokens(torch_cp.Engine(model, **kwargs).run(batch, NEW_TOKENS))
     seen = gpu_models.spy_dependent_launches(monkeypatch)
     torch._dynamo.reset()  # Inductor's kernels generated again, for the dependent launch
