@@ -17,7 +17,8 @@ naming the hook, when one moves.
   a patched model overrides it to build a paged one.
 - transformers' torch gated delta rules (``torch_chunk_gated_delta_rule``,
   ``torch_recurrent_gated_delta_rule`` in ``modeling_qwen3_5``), wrapped by a decorator that
-  dispatches to flash-linear-attention when it is installed: the reference kernels are the
+  dispatches to flash-linear-attention when it is installed (from 5.25 inside the ``kernels``
+  hub's module, which holds it in its ``forward``'s closure): the reference kernels are the
   wrapped functions (``__wrapped__``). ``ACT2FN`` names the activations.
 - ``config._experts_implementation``: which experts forward a ``@use_experts_implementation``
   MoE block runs (``graphs/experts.py`` reads it, and sets it where ``set_experts_implementation``
@@ -181,8 +182,28 @@ def torch_gated_delta_rules() -> tuple[Callable, Callable]:
     kernels that their module-level names dispatch to when it is installed."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    return tuple(getattr(f, "__wrapped__", f) for f in (m.torch_chunk_gated_delta_rule,
-                                                         m.torch_recurrent_gated_delta_rule))
+    return tuple(_unwrapped(getattr(m, name), name) for name in (
+        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
+
+
+def _unwrapped(fn: Callable, name: str) -> Callable:
+    """The function ``name`` under transformers' wrappers: ``functools.wraps``' (``__wrapped__``)
+    and, from transformers 5.25 (which brings the ``kernels`` package), the hub's module that
+    calls it (``kernels``' ``Func``: an ``nn.Module`` whose ``forward`` holds it in its closure)."""
+    for _ in range(8):
+        if getattr(fn, "__wrapped__", None) is not None:
+            fn = fn.__wrapped__
+        elif isinstance(fn, torch.nn.Module):
+            cells = getattr(type(fn).forward, "__closure__", None) or ()
+            held = [c.cell_contents for c in cells
+                    if getattr(c.cell_contents, "__name__", None) == name]
+            if len(held) != 1:
+                break
+            fn = held[0]
+        else:
+            return fn
+    raise RuntimeError(f"transformers' {name} is wrapped in a way torch_cp does not know "
+                       f"({type(fn).__name__}): torch_cp.compat needs updating")
 
 
 def activation(name: str) -> Callable:
