@@ -101,8 +101,8 @@ def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, ou
 
 
 @triton.jit
-def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se, w_sm, out_ss,
-          BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, experts, hidden, inter, h_ss, w_se, w_sm,
+          out_ss, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pair = tl.program_id(0)
     m = tl.program_id(1) * BN + tl.arange(0, BN)
     in_m = m < hidden
@@ -111,14 +111,17 @@ def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se
     if PREFETCH:
         # The expert's first slice before the wait (the weights no kernel writes). Its id came
         # from the router, two kernels back, which has ended once these programs run (the gate/up
-        # kernel releases them after its own wait); read again after the wait all the same, and
-        # the slice loaded anew where the two differ, so a stale early read costs time only.
-        early = tl.load(ids_ptr + pair).to(tl.int64)
+        # kernel releases them after its own wait), though the dependent launch promises that
+        # only after the wait: so read from L2 (".cg"), kept within the experts (a stale value
+        # never addresses past them), read again after the wait (volatile: never merged with
+        # the first), and the slice loaded anew where the two differ.
+        early = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
+        early = tl.minimum(tl.maximum(early, 0), experts - 1)
         first = tl.load(w_ptr + early * w_se + m[:, None] * w_sm + k[None, :], mask=in_first,
                         other=0.0)
         pdl_wait(PDL)
         pdl_release(PDL)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        expert = tl.load(ids_ptr + pair, volatile=True).to(tl.int64)
         if expert != early:
             first = tl.load(w_ptr + expert * w_se + m[:, None] * w_sm + k[None, :],
                             mask=in_first, other=0.0)
@@ -184,8 +187,8 @@ def _pairs(x_td: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: t
         num_warps=gu.warps, **pdl.launch_options(on_pdl))
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
     _down[(pairs, triton.cdiv(hidden, dn.rows))](
-        h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
-        down.stride(1), out_sd.stride(0), BN=dn.rows, BK=dn.cols,
+        h_si, down, ids, weights, out_sd, down.shape[0], hidden, inter, h_si.stride(0),
+        down.stride(0), down.stride(1), out_sd.stride(0), BN=dn.rows, BK=dn.cols,
         PREFETCH=on_pdl and DOWN_PREFETCH if prefetch is None else prefetch, PDL=on_pdl,
         num_warps=dn.warps, **pdl.launch_options(on_pdl))
     return out_sd

@@ -10,11 +10,14 @@ naming the hook, when one moves.
 - ``torch._dynamo.config`` ``allow_unspec_int_on_nn_module`` and ``recompile_limit``: the layer
   index traced as a symbol, and room for the graphs a capture compiles.
 - ``torch._inductor.config.triton.enable_pdl``: Inductor's kernels launched as dependent launches
-  (``torch_cp/pdl.py``), set around the compiled layers' compilation when torch_cp's are.
+  (``torch_cp/pdl.py``), set around the compiled layers' compilation when torch_cp's are;
+  ``TritonKernel._handle_pdl_before_access`` and ``Scheduler.previous_node``, which decide
+  where such a kernel waits (made to wait before every access).
 - ``torch.distributed._functional_collectives``: traceable collectives (``all_gather_tensor`` was
   renamed ``all_gather_single`` in torch 2.13; the GPU machine's 2.11 has only the old name).
 - ``GenerationMixin._prepare_cache_for_generation``: where ``model.generate`` builds its cache;
-  a patched model overrides it to build a paged one.
+  a patched model overrides it to build a paged one. ``PreTrainedModel.use_kernels`` (5.25): the
+  kernels hub's layers, turned off before patching.
 - transformers' torch gated delta rules (``torch_chunk_gated_delta_rule``,
   ``torch_recurrent_gated_delta_rule`` in ``modeling_qwen3_5``), wrapped by a decorator that
   dispatches to flash-linear-attention when it is installed (from 5.25 inside the ``kernels``
@@ -93,6 +96,7 @@ PREPARE_CACHE_PARAMS = ("generation_config", "model_kwargs", "generation_mode", 
                         "max_cache_length")
 DYNAMO_OPTIONS = ("allow_unspec_int_on_nn_module", "recompile_limit")
 INDUCTOR_PDL = "triton.enable_pdl"
+INDUCTOR_PDL_ACCESS = "_handle_pdl_before_access"  # TritonKernel's; reads scheduler.previous_node
 
 
 def compile_call(module: nn.Module) -> Callable:
@@ -123,12 +127,51 @@ def dynamo_layer_options(recompile_limit: int) -> Iterator[None]:
 @contextlib.contextmanager
 def inductor_pdl(on: bool) -> Iterator[None]:
     """Inductor's own Triton kernels take the dependent launch (``triton.enable_pdl``, read as
-    it generates code) within the block, where ``on``; else nothing changes."""
+    it generates code) within the block, where ``on``, each waiting before its first access;
+    else nothing changes.
+
+    Inductor waits before an access only where the node generated just before wrote (or, for
+    a store, touched) that buffer: a kernel could load, before its wait, what a kernel still
+    running wrote (an output of a custom op whose results Inductor splits into nodes of their
+    own), or end without waiting at all (one that only stores), and let its successor start
+    before the kernel two back has ended. With no previous node Inductor waits before every
+    access, as torch_cp's own kernels do (``torch_cp/pdl.py``): so each access is generated
+    with none."""
     if not on:
         yield
         return
-    with torch._inductor.config.patch({INDUCTOR_PDL: True}):
-        yield
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.virtualized import V
+
+    original = TritonKernel.__dict__[INDUCTOR_PDL_ACCESS]
+
+    def wait_first(self, *args, **kwargs):
+        scheduler = V.graph.scheduler
+        if scheduler is None:
+            return original(self, *args, **kwargs)
+        previous, scheduler.previous_node = scheduler.previous_node, None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            scheduler.previous_node = previous
+
+    setattr(TritonKernel, INDUCTOR_PDL_ACCESS, wait_first)
+    try:
+        with torch._inductor.config.patch({INDUCTOR_PDL: True}):
+            yield
+    finally:
+        setattr(TritonKernel, INDUCTOR_PDL_ACCESS, original)
+
+
+def hub_kernels_off(model: nn.Module) -> bool:
+    """Turn transformers' kernels-hub layers off (``use_kernels``, which ``from_pretrained`` turns
+    on by default from 5.25): the model runs its torch layers, and a later change of kernels mode
+    (``model.train()``, ``set_use_kernels``) no longer re-kernelizes it, which would drop every
+    forward torch_cp installs on a layer class the hub decorates. Returns whether they were on."""
+    if not getattr(model, "use_kernels", False):
+        return False
+    model.use_kernels = False  # kernelizes with an empty mapping: no hub access
+    return True
 
 
 def override_prepare_cache(model: nn.Module, prepare: Callable) -> None:
@@ -182,11 +225,11 @@ def torch_gated_delta_rules() -> tuple[Callable, Callable]:
     kernels that their module-level names dispatch to when it is installed."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    return tuple(_unwrapped(getattr(m, name), name) for name in (
+    return tuple(unwrapped(getattr(m, name), name) for name in (
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
 
 
-def _unwrapped(fn: Callable, name: str) -> Callable:
+def unwrapped(fn: Callable, name: str) -> Callable:
     """The function ``name`` under transformers' wrappers: ``functools.wraps``' (``__wrapped__``)
     and, from transformers 5.25 (which brings the ``kernels`` package), the hub's module that
     calls it (``kernels``' ``Func``: an ``nn.Module`` whose ``forward`` holds it in its closure)."""

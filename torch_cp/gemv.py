@@ -70,6 +70,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_sn, HAS_BIAS: tl.constexpr,
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
             w = w_next
     else:
+        pdl_wait(PDL)  # every program waits, even where nothing is loaded before (pdl.py)
+        pdl_release(PDL)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             rows = w_ptr + n.to(tl.int64)[:, None] * w_sn + k[None, :]

@@ -1,8 +1,10 @@
 """Where torch_cp launches its kernels as dependent launches (torch_cp/pdl.py). The launches
-themselves run on the GPU only (tests/core/test_gemv.py's captured chain)."""
+themselves run on the GPU only (tests/core/test_gemv.py's captured chain; here, where
+Inductor's kernels generated for it wait)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torch_cp import pdl
@@ -78,3 +80,44 @@ def test_the_ops_trace_to_what_the_kernels_give():
     assert traced(lambda *a: fe._pairs_pdl(*a, 2, 16, 32, 4, 16, 32, 4),
                   x, gate_up, down, ids, weights) == real(
         fe._pairs(x, gate_up, down, ids, weights, 2, tiles, tiles, on_pdl=False))
+
+
+@torch.library.custom_op("torch_cp_test::two_results", mutates_args=())
+def _two_results(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x + 1
+
+
+@_two_results.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@pytest.mark.gpu
+def test_inductor_kernels_wait_before_their_first_access():
+    """Inductor's kernels generated for the dependent launch (``compat.inductor_pdl``) wait
+    before their first load and store: after a custom op of two results (which Inductor splits
+    into nodes of their own) whose first result a kernel reads, and for a kernel that only
+    stores. A load before the wait could read what a kernel still running writes."""
+    from torch._inductor.utils import run_and_get_code
+
+    from torch_cp import compat
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the dependent launch needs sm90")
+
+    def fn(x, y):
+        a, b = _two_results(x)
+        return torch.relu(a) * y, b.sum(), torch.zeros(64, device=x.device)
+
+    torch._dynamo.reset()
+    x, y = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
+    with compat.inductor_pdl(True):
+        _, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True), x, y)
+    torch._dynamo.reset()
+    kernels = [k for k in code.split("async_compile.triton(")[1:] if "gdc_launch" in k
+               or "'launch_pdl': True" in k]
+    assert kernels, code
+    for kernel in kernels:
+        body = kernel[kernel.index("def triton_"):]
+        first = min(i for i in (body.find("tl.load("), body.find("tl.store(")) if i >= 0)
+        assert 0 <= body.find("gdc_wait()") < first, kernel

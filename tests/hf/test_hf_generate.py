@@ -229,3 +229,30 @@ def test_a_direct_forward_without_position_ids_takes_the_plans(model):
                             for p, t in zip(prompts, nxt)])
     # float32, summed in another order (observed ~2e-6); a wrong rotation differs by ~0.5.
     torch.testing.assert_close(decode, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_transformers_kernelized_keeps_its_patch_through_train_and_eval(tmp_path,
+                                                                                 caplog):
+    """From transformers 5.25 (with the kernels package) ``from_pretrained`` turns the kernels
+    hub's layers on, and a change of their mode (``train()`` / ``eval()``) re-kernelizes, which
+    dropped torch_cp's forwards on the hub-decorated linear-attention layers (``generate`` then
+    failed): ``patch_model`` turns them off, says so, and the tokens stay the unpatched ones."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from torch_cp.tiny import tiny_qwen3_5
+
+    tiny_qwen3_5().save_pretrained(tmp_path)
+    prompt = torch.tensor([PROMPTS[0]])
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    want = reference.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    kernelized = getattr(model, "use_kernels", False)
+    with caplog.at_level(logging.WARNING, logger="torch_cp"):
+        torch_cp.patch_model(model)
+    assert not getattr(model, "use_kernels", False)
+    assert any("kernels-hub" in r.getMessage() for r in caplog.records) == kernelized
+    model.train()
+    model.eval()
+    assert torch.equal(model.generate(prompt, max_new_tokens=NEW, do_sample=False), want)

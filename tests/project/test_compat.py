@@ -54,6 +54,24 @@ def test_inductor_pdl_setting_exists_and_is_scoped():
     assert getattr(owner, leaf) == before
 
 
+def test_inductor_pdl_waits_before_every_access_within_the_block():
+    """Where Inductor's kernel waits is decided by ``TritonKernel._handle_pdl_before_access``
+    from the scheduler's ``previous_node`` (none: wait); within the block each call sees none."""
+    import inspect
+
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.scheduler import Scheduler
+
+    original = TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS]
+    assert "previous_node" in inspect.getsource(original)
+    assert "self.previous_node" in inspect.getsource(Scheduler)
+    with compat.inductor_pdl(True):
+        assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is not original
+    with compat.inductor_pdl(False):
+        assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is original
+    assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is original
+
+
 def test_functional_collectives_exist():
     for fn in (compat.all_gather, compat.all_to_all_single, compat.all_reduce,
                compat.wait_tensor):

@@ -63,8 +63,7 @@ def last_inputs(x_nc: torch.Tensor) -> torch.Tensor:
 def reference(row, weight):
     """(conv output [L, C], conv state, delta rule output [L, Hv, Dv], recurrent state) of a
     row's whole sequence from zero state, by transformers' torch functions."""
-    conv_fn = getattr(modeling_qwen3_5.causal_conv1d_fn, "__wrapped__",
-                      modeling_qwen3_5.causal_conv1d_fn)
+    conv_fn = compat.unwrapped(modeling_qwen3_5.causal_conv1d_fn, "causal_conv1d_fn")
     conv = conv_fn(row["x"].T[None], weight, activation="silu")[0].T
     _, recurrent = compat.torch_gated_delta_rules()
     out, state = recurrent(row["q"][None], row["k"][None], row["v"][None], g=row["g"][None],

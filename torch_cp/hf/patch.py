@@ -7,9 +7,11 @@ are used in place; with ``tp > 1`` they are cut to this rank's shards, which can
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
-from torch_cp import gemv
+from torch_cp import compat, gemv
 from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
@@ -30,6 +32,8 @@ from torch_cp.runtime import ModelRuntime, runtime_of
 from torch_cp.state.kernels import fla_available
 from torch_cp.state.layer import LinearStateLayer
 from torch_cp.tp import row_parallel, shard_mlp
+
+log = logging.getLogger("torch_cp")
 
 _ABSENT = object()
 
@@ -94,6 +98,10 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
     """``patch_model`` after ``validate_patch`` gave ``s``: placement, TP sharding (unless
     ``shard=False``: the model was sharded already), runtime and the patched forwards."""
     family = s.family
+    if compat.hub_kernels_off(model):
+        log.warning("torch_cp.patch_model: turned transformers' kernels-hub layers off "
+                    "(use_kernels=False): a change of their mode would replace the forwards "
+                    "torch_cp installs")
     placement = (partner_placement(mesh, s.mode, family.kv_heads(model.config))
                  if s.context_parallel else ContextParallel.single())
     exchange = Exchange(placement)
