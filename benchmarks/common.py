@@ -109,8 +109,7 @@ KERNEL_HELP = ("torch_cp's kernel settings, 'module.NAME=value,...', e.g. "
 DECODE_KERNEL_HELP = ("torch_cp's GQA decode kernel: 'flashinfer', 'triton', 'auto' (Triton for "
                       "one-token steps over short rows), or 'triton:B:W:P[:S]' (the Triton "
                       "kernels at one tile for every step: context tokens a block, warps, "
-                      "programs an SM (0: one a token, no merge), pipeline stages; "
-                      "decode_kernels --triton sweeps them)")
+                      "programs an SM, pipeline stages; decode_kernels --triton sweeps them)")
 
 
 def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
@@ -120,7 +119,7 @@ def triton_tile(spec: str) -> tuple[int, int, int, int | None]:
         block, warps, per_sm, *rest = map(int, parts)
     except ValueError:
         raise SystemExit(f"a Triton tile is 'B:W:P[:S]' in integers, got {spec!r}") from None
-    if len(rest) > 1 or block < 16 or block & (block - 1) or warps < 1 or per_sm < 0:
+    if len(rest) > 1 or block < 16 or block & (block - 1) or warps < 1 or per_sm < 1:
         raise SystemExit(f"a Triton tile is 'B:W:P[:S]' with B a power of two from 16, got "
                          f"{spec!r}")
     return block, warps, per_sm, (rest[0] or None) if rest else None

@@ -6,9 +6,8 @@ of the reference (float32 sums in another order, over up to 1500 keys in chunks 
 rescaling; a wrong rescaling or chunk errs by 1e-1 and more). Rows with no
 context, rows shorter than a block, longer than a split, a padding token (row -1); NaN in the
 sink page and in every slot past a row's length never reaches a real token; the context in one
-chunk a token, in several, in one block each, in one program a token with no merge, a skewed
-batch (one long row takes most chunks) and no context at all. GPU: the FlashInfer backend's
-tests with ``decode_kernel="triton"``."""
+chunk a token, in several, in one block each, a skewed batch (one long row takes most chunks)
+and no context at all. GPU: the FlashInfer backend's tests with ``decode_kernel="triton"``."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def reference(q, kv, table, lens, token_row, scale):
 
 
 @pytest.mark.parametrize("lens, spare", [
-    pytest.param(LENS, 0, id="whole"),  # one program a token, no merge
     pytest.param(LENS, 1, id="few-items"),  # chunks of the whole context: one a token
     pytest.param(LENS, 6, id="chunks"),
     pytest.param(LENS, 64, id="blocks"),  # more items than blocks: chunks of one block
@@ -104,5 +102,4 @@ def test_spare_items_fill_the_device_and_hold_every_token():
     assert td.spare_items(tokens=32, kv_heads=4, sms=132) == 132
     assert td.spare_items(tokens=512, kv_heads=8, sms=132) == 512
     assert td.spare_items(tokens=1, kv_heads=8, sms=132, programs_per_sm=2) == 33
-    assert td.spare_items(tokens=4, kv_heads=8, sms=132, programs_per_sm=0) == 0  # whole
     assert td.supported(128, 8) and not td.supported(96, 8) and not td.supported(128, 128)

@@ -16,9 +16,6 @@ the attend kernel instead, the last program of a token's chunks found by an atom
 slower on the H200 at every size of run 91: 1.4-7.6x, best tile against best tile; it is in
 fa8a115.)
 
-At 0 programs an SM (``spare`` 0) the step instead takes one program a token and KV head over
-the token's whole context, which writes the output and LSE itself: no partials, no merge.
-
 Tokens past a row's length, padding tokens (``token_row`` -1) and the sink page are never read
 (masked loads), so NaN there never reaches a real token. A token with no context gets out 0 and
 LSE -inf, as FlashInfer gives.
@@ -70,41 +67,6 @@ def _chunks(lens_ptr, token_row_ptr, tokens, spare, NP: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _attend_range(q, kv_ptr, table_ptr, row, start, end, scale_log2, kv_sp, kv_skv, kv_ss, kv_sh,
-                  table_sr, h, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK: tl.constexpr, FP32_DOT: tl.constexpr):
-    """(running max [GP], sum [GP], output [GP, D]) in float32 of the group's queries ``q``
-    over context tokens ``start`` to ``end`` of ``row``, KV head ``h``."""
-    d = tl.arange(0, D)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    total = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for t0 in range(start, end, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        valid = t < end
-        page = tl.load(table_ptr + row.to(tl.int64) * table_sr + t // PAGE, mask=valid, other=0)
-        base = kv_ptr + page.to(tl.int64) * kv_sp + (t % PAGE) * kv_ss + h * kv_sh
-        k = tl.load(base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(base[:, None] + kv_skv + d[None, :], mask=valid[:, None], other=0.0)
-        if FP32_DOT:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))  # finite: every block has a valid token
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        total = total * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-    return m, total, acc
-
-
-@triton.jit
 def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_ml_ptr,
             scale_log2, tokens, spare, items, q_sn, q_sh, kv_sp, kv_skv, kv_ss, kv_sh, table_sr,
             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -121,48 +83,42 @@ def _attend(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, part_o_ptr, part_
         row = tl.sum(tl.where(mine, row_i, 0), 0)
         length = tl.sum(tl.where(mine, length_i, 0), 0)
         start = (w - tl.sum(tl.where(mine, first_i, 0), 0)) * chunk
+        end = tl.minimum(start + chunk, length)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         q = tl.load(q_ptr + n.to(tl.int64) * q_sn + (h * G + g)[:, None] * q_sh + d[None, :],
                     mask=(g < G)[:, None], other=0.0)
-        m, total, acc = _attend_range(q, kv_ptr, table_ptr, row, start,
-                                      tl.minimum(start + chunk, length), scale_log2, kv_sp,
-                                      kv_skv, kv_ss, kv_sh, table_sr, h, GP, D, PAGE, BLOCK,
-                                      FP32_DOT)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for t0 in range(start, end, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            valid = t < end
+            page = tl.load(table_ptr + row.to(tl.int64) * table_sr + t // PAGE, mask=valid,
+                           other=0)
+            base = kv_ptr + page.to(tl.int64) * kv_sp + (t % PAGE) * kv_ss + h * kv_sh
+            k = tl.load(base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(base[:, None] + kv_skv + d[None, :], mask=valid[:, None], other=0.0)
+            if FP32_DOT:
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                                input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))  # finite: every block has a valid token
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            total = total * alpha + tl.sum(p, 1)
+            if FP32_DOT:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
         part = (h * items + w).to(tl.int64) * G + g  # [KV head, item, group member]
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=g < G)
         tl.store(part_ml_ptr + part * 2 + 1, total, mask=g < G)
-
-
-@triton.jit
-def _attend_whole(q_ptr, kv_ptr, table_ptr, lens_ptr, token_row_ptr, out_ptr, lse_ptr,
-                  scale_log2, q_sn, q_sh, kv_sp, kv_skv, kv_ss, kv_sh, table_sr, out_sn, out_sh,
-                  heads_total, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK: tl.constexpr, FP32_DOT: tl.constexpr,
-                  PDL: tl.constexpr):
-    """One program a token and KV head over the token's whole context, written as the output
-    and LSE (no partials, no merge)."""
-    pdl_wait(PDL)
-    pdl_release(PDL)
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    row = tl.load(token_row_ptr + n)
-    length = tl.where(row >= 0, tl.load(lens_ptr + tl.maximum(row, 0)), 0)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + n.to(tl.int64) * q_sn + (h * G + g)[:, None] * q_sh + d[None, :],
-                mask=(g < G)[:, None], other=0.0)
-    m, total, acc = _attend_range(q, kv_ptr, table_ptr, tl.maximum(row, 0), 0, length,
-                                  scale_log2, kv_sp, kv_skv, kv_ss, kv_sh, table_sr, h, GP, D,
-                                  PAGE, BLOCK, FP32_DOT)
-    seen = length > 0
-    out = tl.where(seen, acc / tl.where(seen, total, 1.0)[:, None], 0.0)
-    hq = h * G + g
-    tl.store(out_ptr + n.to(tl.int64) * out_sn + hq[:, None] * out_sh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
-    tl.store(lse_ptr + n.to(tl.int64) * heads_total + hq,
-             tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), float("-inf")), mask=g < G)
 
 
 @triton.jit
@@ -218,9 +174,8 @@ def spare_items(tokens: int, kv_heads: int, sms: int, programs_per_sm: int | Non
                 ) -> int:
     """Work items a KV head gets beyond one a token: enough for ``programs_per_sm`` programs an
     SM (default ``PROGRAMS_PER_SM``), and at least the tokens (so every token's chunks fit: see
-    ``decode``); none at 0 programs an SM (one program a token over its whole context)."""
-    per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-    return 0 if per_sm == 0 else max(tokens, -(-per_sm * sms // kv_heads))
+    ``decode``)."""
+    return max(tokens, -(-(programs_per_sm or PROGRAMS_PER_SM) * sms // kv_heads))
 
 
 def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
@@ -236,8 +191,7 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
             row (this partner's); token_row: [N] the row of each token, -1 for padding.
         scale: the softmax scale; spare: ``spare_items`` for the step's shape. The chunk size is
             at least the context over ``spare``, so the chunks number at most ``N + spare``
-            (one partial chunk a token), the items each KV head has. 0: one program a token
-            and KV head over its whole context, which writes the output itself (no merge).
+            (one partial chunk a token), the items each KV head has.
         block_n, warps, stages: the attend kernel's context tokens a tile (a power of two, 16
             up), warps and pipeline stages; by default ``BLOCK_N``, ``WARPS``, ``STAGES``.
         on_pdl: launch both kernels with the dependent launch; by default where
@@ -249,33 +203,25 @@ def decode(q_nhd: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor,
     kv_heads = kv_layer.shape[3]
     on_pdl = pdl.active(q_nhd) if on_pdl is None else on_pdl
     group = heads // kv_heads
-    assert spare >= 0
+    assert spare >= 1, "the chunk size divides the context by the spare items"
     block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
     items = n + spare
     q_nhd = q_nhd.contiguous()
     out = torch.empty_like(q_nhd)
     lse = torch.empty(n, heads, dtype=torch.float32, device=q_nhd.device)
-    fp32_dot = INTERPRETED or q_nhd.dtype == torch.float32
-    # 8 warps from head_dim 128: 164-241 registers a thread on sm_90, where 4 warps take 238-254
-    # and spill at 256 (helper 40's resource usage at BLOCK_N 64).
-    launch = dict(num_warps=warps or (8 if dim >= 128 else 4),
-                  **({"num_stages": stages} if stages else {}), **pdl.launch_options(on_pdl))
-    common = dict(G=group, GP=max(16, triton.next_power_of_2(group)), D=dim,
-                  PAGE=kv_layer.shape[2], BLOCK=block_n, FP32_DOT=fp32_dot, PDL=on_pdl)
-    if spare == 0:
-        _attend_whole[(n, kv_heads)](
-            q_nhd, kv_layer, table, lens, token_row, out, lse, scale * LOG2E, q_nhd.stride(0),
-            q_nhd.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
-            kv_layer.stride(3), table.stride(0), out.stride(0), out.stride(1), heads, **common,
-            **launch)
-        return out, lse
     part_o = torch.empty(kv_heads * items * group, dim, dtype=torch.float32, device=q_nhd.device)
     part_ml = torch.empty(kv_heads * items * group, 2, dtype=torch.float32, device=q_nhd.device)
     tokens_p2 = max(16, triton.next_power_of_2(n))
     _attend[(items, kv_heads)](
         q_nhd, kv_layer, table, lens, token_row, part_o, part_ml, scale * LOG2E, n, spare, items,
         q_nhd.stride(0), q_nhd.stride(1), kv_layer.stride(0), kv_layer.stride(1),
-        kv_layer.stride(2), kv_layer.stride(3), table.stride(0), NP=tokens_p2, **common, **launch)
+        kv_layer.stride(2), kv_layer.stride(3), table.stride(0), G=group,
+        GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE=kv_layer.shape[2], BLOCK=block_n,
+        NP=tokens_p2, FP32_DOT=INTERPRETED or q_nhd.dtype == torch.float32, PDL=on_pdl,
+        # 8 warps from head_dim 128: 164-241 registers a thread on sm_90, where 4 warps take
+        # 238-254 and spill at 256 (helper 40's resource usage at BLOCK_N 64).
+        num_warps=warps or (8 if dim >= 128 else 4), **({"num_stages": stages} if stages else {}),
+        **pdl.launch_options(on_pdl))
     _merge[(n, heads)](
         lens, token_row, part_o, part_ml, out, lse, n, spare, items, out.stride(0),
         out.stride(1), heads, G=group, D=dim, BLOCK=block_n, NP=tokens_p2, SP=MERGE_BLOCK,
