@@ -55,23 +55,14 @@ class Tiles:
 # row tiles give many programs, so enough weight bytes are in flight at one token.
 GATE_UP_TILES = Tiles(rows=8, cols=256, warps=8)
 DOWN_TILES = Tiles(rows=16, cols=256, warps=8)
-# With the dependent launch, the down kernel loads its expert's first slice of weights before it
-# waits for the gate/up kernel (read at each call; a benchmark sets it off to time the two).
-DOWN_PREFETCH = True
 
 
 @triton.jit
 def _rows_times(rows, vec_ptr, in_rows, length, BN: tl.constexpr, BK: tl.constexpr):
     """[BN] float32: each of ``BN`` weight rows (pointers ``rows`` [BN, 1], masked by
     ``in_rows``) times the vector at ``vec_ptr`` of ``length``, in ``BK`` chunks."""
-    return _rows_times_from(tl.zeros([BN], dtype=tl.float32), rows, vec_ptr, in_rows, 0, length,
-                            BK)
-
-
-@triton.jit
-def _rows_times_from(acc, rows, vec_ptr, in_rows, start, length, BK: tl.constexpr):
-    """``acc`` plus the chunks of ``_rows_times`` from channel ``start`` on."""
-    for k0 in range(start, length, BK):
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, length, BK):
         k = k0 + tl.arange(0, BK)
         in_k = k < length
         vec = tl.load(vec_ptr + k, mask=in_k, other=0.0).to(tl.float32)
@@ -101,41 +92,16 @@ def _gate_up(x_ptr, w_ptr, ids_ptr, out_ptr, hidden, inter, x_st, w_se, w_sn, ou
 
 
 @triton.jit
-def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, experts, hidden, inter, h_ss, w_se, w_sm,
-          out_ss, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def _down(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, h_ss, w_se, w_sm, out_ss,
+          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     m = tl.program_id(1) * BN + tl.arange(0, BN)
     in_m = m < hidden
-    k = tl.arange(0, BK)
-    in_first = in_m[:, None] & (k < inter)[None, :]
-    if PREFETCH:
-        # The expert's first slice before the wait (the weights no kernel writes). Its id came
-        # from the router, two kernels back, which has ended once these programs run (the gate/up
-        # kernel releases them after its own wait), though the dependent launch promises that
-        # only after the wait: so read from L2 (".cg"), kept within the experts (a stale value
-        # never addresses past them), read again after the wait (volatile: never merged with
-        # the first), and the slice loaded anew where the two differ.
-        early = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
-        early = tl.minimum(tl.maximum(early, 0), experts - 1)
-        first = tl.load(w_ptr + early * w_se + m[:, None] * w_sm + k[None, :], mask=in_first,
-                        other=0.0)
-        pdl_wait(PDL)
-        pdl_release(PDL)
-        expert = tl.load(ids_ptr + pair, volatile=True).to(tl.int64)
-        if expert != early:
-            first = tl.load(w_ptr + expert * w_se + m[:, None] * w_sm + k[None, :],
-                            mask=in_first, other=0.0)
-    else:
-        pdl_wait(PDL)
-        pdl_release(PDL)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        first = tl.load(w_ptr + expert * w_se + m[:, None] * w_sm + k[None, :], mask=in_first,
-                        other=0.0)
-    h = h_ptr + pair * h_ss
-    vec = tl.load(h + k, mask=k < inter, other=0.0).to(tl.float32)
-    acc = tl.sum(first.to(tl.float32) * vec[None, :], axis=1)
     rows = w_ptr + expert * w_se + m[:, None] * w_sm
-    acc = _rows_times_from(acc, rows, h, in_m, BK, inter, BK)
+    acc = _rows_times(rows, h_ptr + pair * h_ss, in_m, inter, BN, BK)
     weight = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * out_ss + m, acc * weight, mask=in_m)
 
@@ -172,11 +138,9 @@ def fused_experts(experts: torch.nn.Module, x_td: torch.Tensor, ids_tk: torch.Te
 
 
 def _pairs(x_td: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-           weights: torch.Tensor, top_k: int, gu: Tiles, dn: Tiles, on_pdl: bool,
-           prefetch: bool | None = None) -> torch.Tensor:
-    """Each (token, expert) pair's weighted output [T * k, H] in float32; the down kernel loads
-    its first slice before the wait where ``prefetch`` (by default with the dependent launch and
-    ``DOWN_PREFETCH``; apart, a test's)."""
+           weights: torch.Tensor, top_k: int, gu: Tiles, dn: Tiles, on_pdl: bool
+           ) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output [T * k, H] in float32."""
     pairs, (hidden, inter) = ids.shape[0], down.shape[-2:]
     # fp32 experts keep SiLU(gate) * up in fp32 for bf16 tokens too, as transformers does.
     h_si = torch.empty(pairs, inter, dtype=torch.promote_types(x_td.dtype, gate_up.dtype),
@@ -187,9 +151,8 @@ def _pairs(x_td: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: t
         num_warps=gu.warps, **pdl.launch_options(on_pdl))
     out_sd = torch.empty(pairs, hidden, dtype=torch.float32, device=x_td.device)
     _down[(pairs, triton.cdiv(hidden, dn.rows))](
-        h_si, down, ids, weights, out_sd, down.shape[0], hidden, inter, h_si.stride(0),
-        down.stride(0), down.stride(1), out_sd.stride(0), BN=dn.rows, BK=dn.cols,
-        PREFETCH=on_pdl and DOWN_PREFETCH if prefetch is None else prefetch, PDL=on_pdl,
+        h_si, down, ids, weights, out_sd, hidden, inter, h_si.stride(0), down.stride(0),
+        down.stride(1), out_sd.stride(0), BN=dn.rows, BK=dn.cols, PDL=on_pdl,
         num_warps=dn.warps, **pdl.launch_options(on_pdl))
     return out_sd
 

@@ -117,25 +117,6 @@ def test_grouped_kernels_at_sizes_no_tile_divides(hidden, inter):
                                atol=1e-5, rtol=1e-5)
 
 
-
-@pytest.mark.parametrize("hidden, inter", [(200, 40), (72, 96)])
-def test_down_kernel_loading_its_first_slice_early_sums_the_same(hidden, inter):
-    """The down kernel's first slice loaded before the wait (as with the dependent launch) gives
-    the same sums in the same order, bit for bit, over chunks no tile divides."""
-    experts = odd_experts(hidden, inter)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(3, hidden, generator=g).to(DEVICE)
-    ids = torch.randint(0, 4, (6,), generator=g).to(DEVICE)
-    weights = torch.rand(6, generator=g).to(DEVICE)
-    tiles = fe.Tiles(rows=16, cols=16, warps=4)
-    args = (x, experts.gate_up_proj, experts.down_proj, ids, weights, 2, tiles, tiles, False)
-    early = fe._pairs(*args, prefetch=True)
-    assert torch.equal(early, fe._pairs(*args, prefetch=False))
-    torch.testing.assert_close(
-        fe.sum_pairs(early.view(3, 2, hidden), x.dtype),
-        moe.batched_mm_experts_forward(experts, x, ids.view(3, 2), weights.view(3, 2)),
-        atol=1e-5, rtol=1e-5)
-
 @pytest.mark.parametrize("pairs, experts, block, hot", [
     (80, 8, 16, False), (7, 32, 16, False), (200, 32, 16, False), (64, 4, 32, True)],
     ids=["some", "few", "many", "hot"])
