@@ -17,10 +17,12 @@ kernel wrote and before it ends: a kernel that ended early would let its own suc
 before the kernel two back had finished. Kernels launched without it (cuBLAS, FlashInfer, the
 copies) start as before, after their predecessor has ended.
 
-Off by default until every GPU test has run with it (runs 114-116: -9 % a Qwen3-30B-A3B step at
-one token, -4.5 % GLM-4.7-Flash's, -1 % Qwen3-8B's; BENCHMARKS.md): ``TORCH_CP_PDL=1`` in the
-environment, or ``ENABLED = True`` (a benchmark's ``--kernel torch_cp.pdl.ENABLED=True``), turns
-it on for torch_cp's own kernels; Inductor's own kernels take it from ``triton.enable_pdl``.
+On by default on sm90 (runs 114-119: -9 % a Qwen3-30B-A3B step at one token, 3.33 against
+3.03 ms; -4.5 % GLM-4.7-Flash's, -1 % Qwen3-8B's; every GPU test passed with it, run 117;
+BENCHMARKS.md): ``TORCH_CP_PDL=0`` in the environment, or ``ENABLED = False`` (a benchmark's
+``--kernel torch_cp.pdl.ENABLED=False``), turns it off for torch_cp's own kernels and for
+Inductor's kernels in the compiled layers (``triton.enable_pdl``, each made to wait before its
+first access: ``compat.inductor_pdl``).
 
 Kernels import ``pdl_wait`` and ``pdl_release`` by name: where compiled code traces a kernel
 (launched without the dependent launch), Inductor copies its source and the Triton functions it
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("TORCH_CP_PDL") == "1"  # read at each launch
+ENABLED = os.environ.get("TORCH_CP_PDL", "1") != "0"  # read at each launch
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
