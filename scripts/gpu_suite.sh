@@ -3,7 +3,7 @@
 # parts of one call each. Logs, with per-test durations, go to $OUT (default: ./gpu-logs).
 #   scripts/gpu_suite.sh all  # every GPU test, in seven pytest processes at once (run 117:
 #                             # 191 passed, 4 skipped in 6.5 min on one H200, where the parts
-#                             # one after another take about 17)
+#                             # one after another take about 17; not yet run on an H100)
 #   scripts/gpu_suite.sh 1    # attention/, core/, engine/ but the MoE file, kv/
 #   scripts/gpu_suite.sh 2    # graphs/ (the router, the fused experts, whole-step replay)
 #   scripts/gpu_suite.sh 3    # models/, state/, project/ (the NCCL test skips on one GPU)
@@ -42,7 +42,7 @@ case "$PART" in
     status=0
     for job in $(jobs -p); do wait "$job" || status=1; done
     for name in "${names[@]}"; do
-      echo "== $name"
+      echo "== $name"  # a part that ran out of its time ends without pytest's summary line
       tail -n 3 "$OUT/gpu_suite_$name.log"
     done
     exit $status ;;

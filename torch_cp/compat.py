@@ -35,7 +35,9 @@ naming the hook, when one moves.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 import types
 from collections.abc import Callable, Iterator
 
@@ -141,12 +143,30 @@ def inductor_pdl(on: bool) -> Iterator[None]:
         yield
         return
     from torch._inductor.codegen.triton import TritonKernel
+
+    original = TritonKernel.__dict__.get(INDUCTOR_PDL_ACCESS)
+    if original is None or getattr(original, "_torch_cp_wait_first", False):
+        if original is None:  # a torch that moved it: Inductor's own rule, said once
+            _warn_once("torch_cp: Inductor's kernels take the dependent launch with their own "
+                       f"waits (no TritonKernel.{INDUCTOR_PDL_ACCESS} to make them wait first)")
+        with torch._inductor.config.patch({INDUCTOR_PDL: True}), _pdl_cache_tag():
+            yield
+        return
+    setattr(TritonKernel, INDUCTOR_PDL_ACCESS, _wait_first(original))
+    try:
+        with torch._inductor.config.patch({INDUCTOR_PDL: True}), _pdl_cache_tag():
+            yield
+    finally:
+        if getattr(TritonKernel.__dict__[INDUCTOR_PDL_ACCESS], "_torch_cp_wait_first", False):
+            setattr(TritonKernel, INDUCTOR_PDL_ACCESS, original)
+
+
+def _wait_first(original: Callable) -> Callable:
+    """``original`` (``TritonKernel._handle_pdl_before_access``) called with no previous node."""
     from torch._inductor.virtualized import V
 
-    original = TritonKernel.__dict__[INDUCTOR_PDL_ACCESS]
-
     def wait_first(self, *args, **kwargs):
-        scheduler = V.graph.scheduler
+        scheduler = getattr(V.graph, "scheduler", None)
         if scheduler is None:
             return original(self, *args, **kwargs)
         previous, scheduler.previous_node = scheduler.previous_node, None
@@ -155,19 +175,31 @@ def inductor_pdl(on: bool) -> Iterator[None]:
         finally:
             scheduler.previous_node = previous
 
-    setattr(TritonKernel, INDUCTOR_PDL_ACCESS, wait_first)
-    try:
-        with torch._inductor.config.patch({INDUCTOR_PDL: True}):
-            yield
-    finally:
-        setattr(TritonKernel, INDUCTOR_PDL_ACCESS, original)
+    wait_first._torch_cp_wait_first = True
+    return wait_first
+
+
+def _pdl_cache_tag() -> contextlib.AbstractContextManager:
+    """Inductor's caches key on its config, not on the patched method: a tag of their own keeps
+    kernels generated under Inductor's own waits from being reused."""
+    import torch.compiler.config as compiler_config
+
+    if not hasattr(compiler_config, "cache_key_tag"):
+        return contextlib.nullcontext()
+    return compiler_config.patch(
+        cache_key_tag=f"{compiler_config.cache_key_tag}+torch_cp-pdl-wait-first")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger("torch_cp").warning(message)
 
 
 def hub_kernels_off(model: nn.Module) -> bool:
     """Turn transformers' kernels-hub layers off (``use_kernels``, which ``from_pretrained`` turns
     on by default from 5.25): the model runs its torch layers, and a later change of kernels mode
-    (``model.train()``, ``set_use_kernels``) no longer re-kernelizes it, which would drop every
-    forward torch_cp installs on a layer class the hub decorates. Returns whether they were on."""
+    (``model.train()`` / ``eval()``) no longer re-kernelizes it, which would drop every forward
+    torch_cp installs on a layer class the hub decorates. Returns whether they were on."""
     if not getattr(model, "use_kernels", False):
         return False
     model.use_kernels = False  # kernelizes with an empty mapping: no hub access

@@ -17,8 +17,8 @@ kernel wrote and before it ends: a kernel that ended early would let its own suc
 before the kernel two back had finished. Kernels launched without it (cuBLAS, FlashInfer, the
 copies) start as before, after their predecessor has ended.
 
-On by default on sm90 (runs 114-119: -9 % a Qwen3-30B-A3B step at one token, 3.33 against
-3.03 ms; -4.5 % GLM-4.7-Flash's, -1 % Qwen3-8B's; every GPU test passed with it, run 117;
+On by default on sm90 (runs 114-119: -9 % a Qwen3-30B-A3B step at one token, 3.03 against
+3.33 ms; -4.5 % GLM-4.7-Flash's, -1 % Qwen3-8B's; every GPU test passed with it, run 117;
 BENCHMARKS.md): ``TORCH_CP_PDL=0`` in the environment, or ``ENABLED = False`` (a benchmark's
 ``--kernel torch_cp.pdl.ENABLED=False``), turns it off for torch_cp's own kernels and for
 Inductor's kernels in the compiled layers (``triton.enable_pdl``, each made to wait before its

@@ -66,7 +66,12 @@ def test_inductor_pdl_waits_before_every_access_within_the_block():
     assert "previous_node" in inspect.getsource(original)
     assert "self.previous_node" in inspect.getsource(Scheduler)
     with compat.inductor_pdl(True):
-        assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is not original
+        patched = TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS]
+        assert patched is not original
+        assert torch.compiler.config.cache_key_tag.endswith("torch_cp-pdl-wait-first")
+        with compat.inductor_pdl(True):  # nested: the same patch, not one around it
+            assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is patched
+        assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is patched
     with compat.inductor_pdl(False):
         assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is original
     assert TritonKernel.__dict__[compat.INDUCTOR_PDL_ACCESS] is original
