@@ -145,19 +145,18 @@ def inductor_pdl(on: bool) -> Iterator[None]:
     from torch._inductor.codegen.triton import TritonKernel
 
     original = TritonKernel.__dict__.get(INDUCTOR_PDL_ACCESS)
-    if original is None or getattr(original, "_torch_cp_wait_first", False):
-        if original is None:  # a torch that moved it: Inductor's own rule, said once
-            _warn_once("torch_cp: Inductor's kernels take the dependent launch with their own "
-                       f"waits (no TritonKernel.{INDUCTOR_PDL_ACCESS} to make them wait first)")
-        with torch._inductor.config.patch({INDUCTOR_PDL: True}), _pdl_cache_tag():
-            yield
-        return
-    setattr(TritonKernel, INDUCTOR_PDL_ACCESS, _wait_first(original))
+    if original is None:  # a torch that moved it: Inductor's own rule, said once
+        _warn_once("torch_cp: Inductor's kernels take the dependent launch with their own "
+                   f"waits (no TritonKernel.{INDUCTOR_PDL_ACCESS} to make them wait first)")
+    install = original is not None and not getattr(original, "_torch_cp_wait_first", False)
+    if install:  # not where an enclosing block did
+        setattr(TritonKernel, INDUCTOR_PDL_ACCESS, _wait_first(original))
     try:
         with torch._inductor.config.patch({INDUCTOR_PDL: True}), _pdl_cache_tag():
             yield
     finally:
-        if getattr(TritonKernel.__dict__[INDUCTOR_PDL_ACCESS], "_torch_cp_wait_first", False):
+        current = TritonKernel.__dict__.get(INDUCTOR_PDL_ACCESS)
+        if install and getattr(current, "_torch_cp_wait_first", False):
             setattr(TritonKernel, INDUCTOR_PDL_ACCESS, original)
 
 
