@@ -3,7 +3,8 @@
 # parts of one call each. Logs, with per-test durations, go to $OUT (default: ./gpu-logs).
 #   scripts/gpu_suite.sh all  # every GPU test, in seven pytest processes at once (run 117:
 #                             # 191 passed, 4 skipped in 6.5 min on one H200, where the parts
-#                             # one after another take about 17; not yet run on an H100)
+#                             # one after another take about 17; runs 120, 125: the same in
+#                             # 5-5.6 min on one H100)
 #   scripts/gpu_suite.sh 1    # attention/, core/, engine/ but the MoE file, kv/
 #   scripts/gpu_suite.sh 2    # graphs/ (the router, the fused experts, whole-step replay)
 #   scripts/gpu_suite.sh 3    # models/, state/, project/ (the NCCL test skips on one GPU)
