@@ -66,6 +66,7 @@ def _ranks(rank: int, world_size: int):
         assert model.torch_cp.placement.size == 2
         out[mode] = _generate(model)
         out[f"{mode} model.generate"] = _hf_generate(model)
+        out[f"{mode} next turn"] = _next_turn(model)
         records = []
         model.torch_cp.exchange.records = records
         engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True)
@@ -197,6 +198,17 @@ def _hf_generate(model) -> list[list[int]]:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     return [row[width:].tolist() for row in out]
+
+
+def _next_turn(model) -> list[list[int]]:
+    """A conversation's second turn: ``model.generate`` given the first turn's cache, which
+    grows past the pages it was made with (every rank alike)."""
+    ids = torch.tensor([PROMPTS[0]])
+    first = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    seq = torch.cat([first.sequences, torch.tensor([list(range(20, 50))])], 1)
+    cache = first.get("cache", first.get("past_key_values"))
+    out = model.generate(seq, cache=cache, max_new_tokens=NEW, do_sample=False)
+    return out[0, seq.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +346,19 @@ def test_model_generate_over_two_partners_equals_hf(ranks, hf, mode):
     expected = [list(t) for t in hf if t]
     for rank, per_mode in enumerate(ranks):
         assert per_mode[f"{mode} model.generate"] == expected, f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_a_conversation_continues_from_its_cache_over_two_partners(ranks, mode):
+    """The second turn, its cache grown on every rank, gives the unpatched model's tokens for
+    the whole conversation (which it computes from scratch)."""
+    model = tiny_qwen3()
+    ids = torch.tensor([PROMPTS[0]])
+    seq = torch.cat([model.generate(ids, max_new_tokens=2, do_sample=False),
+                     torch.tensor([list(range(20, 50))])], 1)
+    want = model.generate(seq, max_new_tokens=NEW, do_sample=False)[0, seq.shape[1]:].tolist()
+    for rank, per_mode in enumerate(ranks):
+        assert per_mode[f"{mode} next turn"] == want, f"rank {rank}"
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

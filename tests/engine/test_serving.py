@@ -8,6 +8,7 @@ reassociation of ~1e-6 on logits of magnitude 1-10)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from driver import tiny_model
@@ -122,8 +123,9 @@ def test_abort_of_a_waiting_request_and_of_an_unknown_id():
     e.abort(second)
     e.abort(12345)  # never submitted: nothing happens
     e.abort(torch.tensor(first + 100))  # an integer tensor is an id too
-    with pytest.raises(ValueError, match="abort takes a request id"):
-        e.abort([first])
+    for not_an_id in ([first], True, torch.tensor([first])):  # True would end request 1
+        with pytest.raises(ValueError, match="abort takes a request id"):
+            e.abort(not_an_id)
     got, reasons = collect(e.step() + list(e.stream()))
     assert reasons == {second: "abort", first: "length"}
     assert second not in got or got[second] == []
@@ -363,6 +365,7 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
     assert not e.has_unfinished()
     assert e.submit(PROMPTS[1], NEW, logprobs=vocab) == 0  # the whole vocabulary is allowed
     assert e.submit(torch.tensor(PROMPTS[1]), NEW) == 1  # no id was spent on a refusal
+    assert e.submit(PROMPTS[1], np.int64(NEW)) == 2  # NumPy's ints, as Engine.run takes them
 
 
 def test_none_for_the_stop_options_is_no_stops():

@@ -83,9 +83,13 @@ def test_unsupported_generate_modes_raise(model):
     ids, mask = left_padded(PROMPTS[:2])
     with pytest.raises(ValueError, match="beam search"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2, do_sample=False)
-    small = torch_cp.new_cache(model, batch_size=2, max_length=4)
-    with pytest.raises(ValueError, match="more than this cache's pool"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=40, cache=small)
+    two = torch_cp.new_cache(model, batch_size=2, max_length=64)
+    with pytest.raises(ValueError, match="beam search"):  # a cache passed in too (helper 85)
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2, cache=two)
+    with pytest.raises(ValueError, match=r"the cache passed serves 2 rows, this call has 4 "):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, num_return_sequences=2,
+                       do_sample=True, cache=two)
+    assert two.allocator.free_pages == two.pool.num_pages  # refused before any reservation
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0; max_length "
                                          "must be a positive int, got 4.0; page_size must be a "
                                          "positive int, got 0"):
@@ -256,3 +260,62 @@ def test_a_model_transformers_kernelized_keeps_its_patch_through_train_and_eval(
     model.train()
     model.eval()
     assert torch.equal(model.generate(prompt, max_new_tokens=NEW, do_sample=False), want)
+
+
+
+def _conversation(m, ids, mask):
+    """Three turns of ``m.generate``, each given the last one's cache and the whole conversation
+    with the user's next turn appended: each turn's sequences, the last turn's attention mask
+    and its cache."""
+    replies = [(4, [3, 4, 5, 6, 7, 8]), (9, list(range(60, 90)))]  # new tokens, next user turn
+    assert max(ids.max(), 89) < m.config.vocab_size
+    out = m.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                     return_dict_in_generate=True)
+    turns = [out.sequences]
+    for new, user in replies:
+        seq = torch.cat([out.sequences, torch.tensor([user] * ids.shape[0])], 1)
+        mask = torch.cat([mask, torch.ones(ids.shape[0], seq.shape[1] - mask.shape[1],
+                                           dtype=mask.dtype)], 1)
+        out = m.generate(seq, attention_mask=mask, cache=_cache_of(out), max_new_tokens=new,
+                         do_sample=False, return_dict_in_generate=True)
+        turns.append(out.sequences)
+    return turns, mask, _cache_of(out)
+
+
+def _cache_of(out):
+    """The output's cache: ``cache`` from transformers 5.25, ``past_key_values`` before."""
+    return out.get("cache", out.get("past_key_values"))
+
+
+def test_a_conversation_continues_from_the_cache_of_its_last_turn(model):
+    """Hugging Face's multi-turn pattern: the next turn's ``generate`` takes the last one's
+    cache, sized for that turn, and grows it (it was refused past its pages: helper 85); the
+    tokens are the unpatched model's continuing from its own cache, so the pages cached before
+    kept their KV."""
+    ids, mask = left_padded(PROMPTS[:2])
+    want, _, _ = _conversation(tiny_qwen3(), ids, mask)
+    got, whole_mask, cache = _conversation(model, ids, mask)  # the mask of the last input
+    for w, g in zip(want, got):
+        assert torch.equal(g, w)
+    assert isinstance(cache, GenerateCache)
+    assert cache.pool.num_pages == 2 * -(-got[-1].shape[1] // model.torch_cp.page_size)
+    # every turn fed only its new columns: each row cached its real tokens but the last one
+    real = whole_mask.sum(1) + got[-1].shape[1] - whole_mask.shape[1]
+    assert cache.row_lens == [int(n) - 1 for n in real]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_text"])
+def test_a_conversation_continues_on_the_mla_pool_and_a_hybrid_model(family):
+    """The same for the MLA latent pool and a hybrid model (its state slots stay the rows')."""
+    import mla_models
+    from driver import tiny_model
+
+    def build():
+        if family == "deepseek_v3":
+            return mla_models.tiny_model(mla_models.tiny_config(family))
+        return tiny_model(family)
+    ids, mask = left_padded([[t % 128 for t in p] for p in PROMPTS[:2]])  # their vocab: 128
+    want, _, _ = _conversation(build(), ids, mask)
+    got, _, _ = _conversation(torch_cp.patch_model(build()), ids, mask)
+    for w, g in zip(want, got):
+        assert torch.equal(g, w)

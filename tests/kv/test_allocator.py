@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from torch_cp.kv import PageAllocator
+from torch_cp.kv import PageAllocator, PrefixCachingAllocator
 
 NUM_PAGES, PAGE_SIZE = 12, 4
 REQUESTS = st.sampled_from(["a", "b", "c", 7, 8])
@@ -115,6 +115,23 @@ def test_refusal_leaves_later_decisions_unchanged():
         alloc.release(1)
         assert alloc.reserve(3, 7)
     assert a.table(3) == b.table(3) and a.table(2) == [] and a.free_pages == b.free_pages
+
+
+@pytest.mark.parametrize("kind", [PageAllocator, PrefixCachingAllocator])
+def test_a_grown_allocator_keeps_its_tables_and_hands_out_the_new_pages(kind):
+    """``grow`` (a generate cache given back for a longer turn): the new pages serve, the
+    tables stay (a caching allocator's page counts grow with them: helper 84)."""
+    a = kind(4, 2)
+    assert a.reserve("x", 5) and not a.reserve("y", 4)  # x holds 3 pages, 1 is free
+    table = list(a.table("x"))
+    a.grow(7)
+    assert a.table("x") == table and a.free_pages == 4
+    assert a.reserve("y", 8) and sorted(a.table("y")) == [3, 4, 5, 6]
+    a.release("x")
+    a.release("y")
+    assert a.free_pages == 7
+    a.release_all()
+    assert a.free_pages == 7 and a.reserve("z", 14)
 
 
 @pytest.mark.parametrize("pages,size", [(0, 4), (4, 0), (-1, -1)])

@@ -19,7 +19,6 @@ job cannot go on (README says how to shorten the wait).
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from torch_cp.engine.requests import (
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
 from torch_cp.engine.stops import StopStrings, stops_of
+from torch_cp.values import as_int
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Serving:
         if token_ids is None:
             problems.append(f"prompt must be a sequence of token ids (ints), got "
                             f"{type(prompt).__name__}")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        if as_int(max_new_tokens) is None:  # NumPy's ints too, as Engine.run takes them
             problems.append(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             problems.append(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -94,7 +94,7 @@ class Serving:
         request_id = self._next_id
         self._next_id += 1
         self._pending.append(("submit", request_id, token_ids,
-                              int(max_new_tokens), options))
+                              as_int(max_new_tokens), options))
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -102,12 +102,11 @@ class Serving:
         step already launched for it may still finish on the device; its token is dropped). An
         id no queued or running request has (finished, unknown) changes nothing; anything but
         an integer id is a ValueError, at once."""
-        try:
-            request_id = operator.index(request_id)
-        except TypeError:
+        rid = as_int(request_id)  # not True (it would abort request 1: helper 84)
+        if rid is None:
             raise ValueError(f"abort takes a request id (an int from submit), got "
-                             f"{request_id!r}") from None
-        self._pending.append(("abort", request_id))
+                             f"{request_id!r}")
+        self._pending.append(("abort", rid))
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or has outputs a ``stream`` consumer left

@@ -11,7 +11,9 @@ forward pre-hook on the model turns each call's ids and mask into a step plan wh
     model.generate(..., cache=torch_cp.new_cache(model, batch_size=4, max_length=4096))
 
 ``generate`` refuses unknown keyword arguments, so the pool cannot be sized through it: it is sized
-from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly).
+from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly). A cache
+given back for a conversation's next turn (the last call's ``cache`` / ``past_key_values``, with
+the whole conversation as ``input_ids``) grows to the new call's ``max_length``.
 Beam search is not supported (a paged cache does not reorder rows).
 
 Under torchrun every rank calls ``generate`` with the same inputs (checked first: one gather of
@@ -25,6 +27,7 @@ the tokens.
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 
 import torch
@@ -36,6 +39,8 @@ from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
 from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
 from torch_cp.values import positive_int
+
+log = logging.getLogger("torch_cp")
 
 # model.generate's arguments that only show what it makes, compared on no rank: the usual
 # ``streamer=TextStreamer(tokenizer) if rank == 0 else None`` (as ``progress`` in the engine).
@@ -100,6 +105,30 @@ class GenerateCache(PagedKVCache):
             self.row_lens[r] += q_lens[r]
         self.columns += s
 
+    def hold(self, max_length: int) -> None:
+        """Grow the pool, keeping every page it holds, until each row can reach ``max_length``
+        tokens: a cache passed back to ``generate`` for a conversation's next turn (its
+        ``past_key_values``) was sized for the turn before. The new pool is allocated before the
+        old one is dropped."""
+        pages = self.rows * -(-max_length // self.pool.page_size)
+        if pages <= self.pool.num_pages:
+            return
+        old = self.pool
+        pool = self.runtime.new_pool(pages, old.page_size)
+        for grown, held in zip(pool.tensors, old.tensors):
+            grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages (no sink)
+        log.info("the generate cache grows from %d to %d pages for max_length %d",
+                 old.num_pages, pages, max_length)
+        self.pool = pool
+        self.allocator.grow(pages)
+
+    def logical(self) -> dict:
+        """What every rank's cache must agree on, its KV aside (each partner holds its own
+        stripe, each TP rank its own heads): rows, pages and what each row has cached."""
+        return dict(rows=self.rows, num_pages=self.pool.num_pages,
+                    page_size=self.pool.page_size, row_lens=self.row_lens, columns=self.columns,
+                    tables=[self.allocator.table(r) for r in range(self.rows)])
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Padded columns already fed (what ``generate`` slices its next input by)."""
         return self.columns
@@ -141,7 +170,9 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     Args:
         model: patched by ``torch_cp.patch_model``.
         batch_size: rows of the generate call (``num_return_sequences`` included).
-        max_length: the longest row, prompt (with its padding) and new tokens.
+        max_length: the longest row, prompt (with its padding) and new tokens. A later call
+            given the cache back (a conversation's next turn, as ``past_key_values``) grows
+            its pool to that call's ``max_length``, keeping what it holds.
         page_size: tokens per page (default: the one given to ``patch_model``).
     """
     runtime = runtime_to_run(model)
@@ -201,21 +232,25 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if generation_config.guidance_scale not in (None, 1, 1.0):
         raise ValueError("guidance_scale (classifier-free guidance) runs the model again without "
                          "a cache, which a torch_cp-patched model cannot; leave it unset")
+    if generation_config.num_beams > 1:
+        raise ValueError("torch_cp's paged cache does not support beam search (num_beams > 1)")
     generation_config.use_cache = True  # generate's own copy; it passes this to each forward
+    rows = max(generation_config.num_return_sequences or 1, 1) * batch_size
     user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if user is not None:
         if not isinstance(user, GenerateCache):
             raise ValueError(f"model.generate on a torch_cp-patched model takes a cache made by "
                              f"torch_cp.new_cache(model, batch_size, max_length), got "
                              f"{type(user).__name__}")
+        if user.rows != rows:
+            raise ValueError(f"the cache passed serves {user.rows} rows, this call has {rows} "
+                             f"(batch size x num_return_sequences)")
+        user.hold(max_cache_length)  # before the prefill reserves a page
         return compat.prepare_cache_default(self, generation_config, model_kwargs,
                                             generation_mode, batch_size, max_cache_length)
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                          f"supported by a torch_cp-patched model; leave it unset")
-    if generation_config.num_beams > 1:
-        raise ValueError("torch_cp's paged cache does not support beam search (num_beams > 1)")
-    rows = max(generation_config.num_return_sequences or 1, 1) * batch_size
     model_kwargs["cache"] = new_cache(self, rows, max_cache_length)
 
 
@@ -256,7 +291,8 @@ def _agreed_generate(self, *args, **kwargs):
     generate = type(self).generate
     runtime, problems = runtime_and_problems(self)  # this rank's own: cast or moved after patching
     agree(runtime, "model.generate", problems, lambda: fingerprint(**{
-        name: described(value) for name, value in
+        name: described(value.logical() if isinstance(value, GenerateCache) else value)
+        for name, value in
         (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
          ).items() if name not in SHOWN_ONLY}))
     return generate(self, *args, **kwargs)

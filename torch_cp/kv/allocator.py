@@ -105,6 +105,13 @@ class PageAllocator:
         self._free = deque(range(self.num_pages))
         self._free_slots = deque(range(self.state_slots))
 
+    def grow(self, num_pages: int) -> None:
+        """Add the pages from ``self.num_pages`` up to ``num_pages`` to the free list (the pool
+        behind them grew); the tables stay as they are."""
+        assert num_pages >= self.num_pages, "a pool only grows"
+        self._free.extend(range(self.num_pages, num_pages))
+        self.num_pages = num_pages
+
     # Hooks a caching allocator overrides: where pages come from and where they go back.
     def _take(self, count: int) -> list[int]:
         return [self._free.popleft() for _ in range(count)]

@@ -218,6 +218,13 @@ class PrefixCachingAllocator(PageAllocator):
         self._restores.pop(request_id, None)
         super().release(request_id)
 
+    def grow(self, num_pages: int) -> None:
+        """``PageAllocator.grow``, each new page uncached and unreferenced."""
+        added = num_pages - self.num_pages
+        super().grow(num_pages)
+        self._refs += [0] * added
+        self._key_of += [None] * added
+
     def release_all(self) -> None:
         """``PageAllocator.release_all``, the cache and the state checkpoints emptied too (a
         fault costs the cached prefixes, never a partner's agreement)."""
