@@ -57,7 +57,7 @@ def load_model(args, device: torch.device, mesh):
 
     try:
         config = AutoConfig.from_pretrained(args.model)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # any kind: a field of the wrong type raises huggingface_hub's own
         raise ValueError(f"--model {args.model}: cannot read its config.json: "
                          f"{_first_line(e)}") from None
     if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,19 +92,24 @@ def prompts_of(args, tokenizer) -> list[list[int]]:
     from torch_cp.engine.requests import normalize_prompts
 
     if tokenizer is None:
-        return [_token_ids(p) for p in args.prompt] if args.prompt else [
-            list(p) for p in DEFAULT_TOKEN_PROMPTS]
+        if not args.prompt:
+            return [list(p) for p in DEFAULT_TOKEN_PROMPTS]
+        ids = [_token_ids(p) for p in args.prompt]
+        bad = [p for p, i in zip(args.prompt, ids) if i is None]
+        if bad:  # every one named (helper 87: the first, one run at a time)
+            raise ValueError("; ".join(f"--prompt {p!r}" for p in bad) + ": without a "
+                             "tokenizer a prompt is token ids (space- or comma-separated)")
+        return ids
     texts = args.prompt or (DEFAULT_PROMPTS if args.model is None
                             else ["The capital of France is"])
     return normalize_prompts(list(texts), tokenizer)
 
 
-def _token_ids(prompt: str) -> list[int]:
+def _token_ids(prompt: str) -> list[int] | None:
     try:
         return [int(t) for t in prompt.replace(",", " ").split()]
     except ValueError:
-        raise ValueError(f"--prompt {prompt!r}: without a tokenizer a prompt is token ids "
-                         f"(space- or comma-separated)") from None
+        return None
 
 
 def _rank() -> int:

@@ -106,6 +106,13 @@ def test_eos_stops_a_request_and_is_returned(model, reference):
     with pytest.raises(ValueError, match=r"eos_token_ids must be an int or a list of ints, "
                                          r"got \['8'\]"):
         engine.run([PROMPTS[2]], NEW, eos_token_ids=["8"])
+    # and its sampling as submit does: None is greedy, anything else but a SamplingParams is
+    # named with the rest (helper 87: an AttributeError after the run began)
+    assert engine.run([PROMPTS[2]], NEW, None, eos)[0].token_ids == reference[2][: first + 1]
+    with pytest.raises(ValueError, match=r"sampling must be a SamplingParams, got float; "
+                                         r"eos_token_ids must be"):
+        engine.run([PROMPTS[2]], NEW, 0.7, ["8"])
+    assert engine.allocator.free_pages == engine.allocator.num_pages
 
 
 def test_sampling_repeats_with_the_seed(model):

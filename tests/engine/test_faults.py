@@ -304,6 +304,17 @@ def test_engine_flags_that_are_not_bools_and_a_pool_larger_than_memory_are_refus
         Engine(model, num_pages=10**12, max_rows=0)  # both named (helper 43)
 
 
+def test_generate_refuses_a_default_pool_whose_first_page_cannot_fit(model, monkeypatch):
+    """Sized from the requests, the pool still takes one page (a hybrid model its state pool
+    beside): refused first, as ``Engine`` refuses a ``num_pages`` (helper 87: generate went on
+    to allocate it)."""
+    monkeypatch.setattr(model.torch_cp, "new_pool", _meta_pools_only(model.torch_cp))
+    with pytest.raises(ValueError, match=r"the default pool's first page \(page_size 1000000000\) "
+                                         r"needs .* GiB of pool on each rank; the free memory "
+                                         r"holds at most 0 pages"):
+        torch_cp.generate(model, [[1, 2, 3]], 2, page_size=10**9, progress=False)
+
+
 def test_engines_for_calls_of_similar_lengths_share_their_bucket_width(model, monkeypatch):
     """The captured buckets' page-table width is the longest request's, rounded up to a power
     of two (the backend keeps a kernel set per bucket shape): 5 and 7 pages give 8."""

@@ -180,6 +180,15 @@ def test_bad_prompts_name_every_problem():
         normalize_prompts(chat, no_template)
     with pytest.raises(ValueError, match="a single chat message"):
         normalize_prompts(chat[0])
+    # a chat template that raises is named at its prompt, beside the others (helper 87)
+    strict = tiny_tokenizer()
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' and not "
+                            "loop.first %}{{ raise_exception('system must be first') }}{% endif "
+                            "%}{{ m['content'] }}{% endfor %}")
+    late_system = chat + [{"role": "system", "content": "b"}]
+    with pytest.raises(ValueError, match=r"prompt 0: the tokenizer raised TemplateError: system "
+                                         r"must be first; prompt 2: neither token ids"):
+        normalize_prompts([late_system, "x", 5], strict)
     with pytest.raises(ValueError, match=r"of shape \(2, 3\) does not match input_ids of shape "
                                          r"\(2, 4\)"):
         normalize_prompts(torch.ones(2, 4, dtype=int), attention_mask=torch.ones(2, 3))

@@ -149,9 +149,11 @@ def test_without_tokenizer_files_prompts_are_token_ids(checkpoints):
 
 
 def test_without_a_tokenizer_a_text_prompt_is_refused():
-    args = SimpleNamespace(prompt=["1 2", "Hello"], model="ckpt")
-    with pytest.raises(ValueError, match="--prompt 'Hello': without a tokenizer"):
-        prompts_of(args, None)
+    args = SimpleNamespace(prompt=["1 2", "Hello", "3, 4", "3.5"], model="ckpt")
+    with pytest.raises(ValueError, match="--prompt 'Hello'; --prompt '3.5': without a tokenizer"):
+        prompts_of(args, None)  # every one named (helper 87)
+    assert prompts_of(SimpleNamespace(prompt=["1 2", "3, 4"], model="ckpt"), None) == [
+        [1, 2], [3, 4]]
 
 
 def test_the_cli_leaves_torch_cp_generate_the_function():
@@ -217,6 +219,20 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(capsys, tm
             cli(["--json", str(path)])
         assert exit_.value.code == 1
         assert capsys.readouterr().err == f"torch_cp: error: --json {path}: {problem}\n"
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(capsys, tmp_path):
+    """transformers refuses it with huggingface_hub's own error, not a ValueError (helper 87:
+    a traceback)."""
+    tiny_qwen3().config.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": "two"}))
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--model", str(tmp_path), "--no-progress"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"torch_cp: error: --model {tmp_path}: cannot read its config.json: ")
+    assert err.count("\n") == 1 and "num_hidden_layers" in err
 
 
 @pytest.mark.parametrize("rank,printed", [("0", True), ("1", False)])

@@ -30,7 +30,8 @@ class BatchRuns:
     results in order."""
 
     def run(self, prompts, max_new_tokens: int | Sequence[int],
-            sampling: SamplingParams = GREEDY, eos_token_ids: int | Sequence[int] | None = (),
+            sampling: SamplingParams | None = GREEDY,
+            eos_token_ids: int | Sequence[int] | None = (),
             progress: bool = False, *, tokenizer=None, attention_mask=None,
             logprobs: int | None = None) -> list[Result]:
         """Generate for ``prompts``; bad requests get error results, the others complete.
@@ -54,7 +55,7 @@ class BatchRuns:
                                  eos_token_ids, progress, tokenizer, logprobs)
 
     def run_tokens(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                   sampling: SamplingParams = GREEDY, eos_token_ids: Sequence[int] = (),
+                   sampling: SamplingParams | None = GREEDY, eos_token_ids: Sequence[int] = (),
                    progress: bool = False, tokenizer=None, logprobs: int | None = None
                    ) -> list[Result]:
         """``run`` for prompts already normalized to token-id lists (no padding checks)."""
@@ -62,14 +63,19 @@ class BatchRuns:
                                  progress, tokenizer, logprobs)
 
     def _run_checked(self, prompts: Sequence[Sequence[int]] | None, problems: list[str],
-                     max_new_tokens, sampling: SamplingParams, eos_token_ids: Sequence[int],
-                     progress: bool, tokenizer, logprobs: int | None) -> list[Result]:
+                     max_new_tokens, sampling: SamplingParams | None,
+                     eos_token_ids: Sequence[int], progress: bool, tokenizer,
+                     logprobs: int | None) -> list[Result]:
         """``run_tokens`` of ``prompts`` (None where they were refused, with ``problems``)."""
         if self.has_unfinished():
             raise RuntimeError("requests submitted with Engine.submit are unfinished (or have "
                                "outputs not yet taken): step until has_unfinished() is False "
                                "before Engine.run (an abort() ends a request at the next step)")
         problems += filter(None, [logprobs_problem(logprobs, vocab_size(self.model))])
+        if sampling is None:  # greedy, as submit takes it
+            sampling = GREEDY
+        elif not isinstance(sampling, SamplingParams):  # helper 87: an AttributeError later
+            problems.append(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         news = checked(problems, new_tokens_per_request, max_new_tokens,
                        None if prompts is None else len(prompts))
         eos = checked(problems, id_tuple, eos_token_ids, "eos_token_ids")

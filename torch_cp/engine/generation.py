@@ -148,9 +148,12 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         page_size, runtime.placement.size, max_tokens_per_step, None, None, (), cuda_graphs,
         compile, runtime.device, prefix_caching, runtime.linear is not None,
         overlap_planning=overlap_planning)
-    if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
-        problems += pool_fit_problems(runtime, page_size, num_pages, state_pool_bytes(
-            runtime, prefix_caching=prefix_caching))  # this rank's memory: no collective
+    if (positive_ints(num_pages, none=True)
+            and not runtime.placement.page_size_problems(page_size)):
+        # this rank's memory, no collective; None: the default pool's first page must fit
+        # beside the state pool (helper 87: it was allocated, and failed, instead)
+        problems += pool_fit_problems(runtime, page_size, num_pages or 1, state_pool_bytes(
+            runtime, prefix_caching=prefix_caching), default=num_pages is None)
     eos = checked(problems, eos_ids, model, eos_token_id, tokenizer) or ()
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,

@@ -175,10 +175,11 @@ def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | 
     return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
 
 
-def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: int = 0
-                      ) -> list[str]:
+def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: int = 0,
+                      default: bool = False) -> list[str]:
     """Why a pool of ``num_pages`` and ``reserved_bytes`` beside it (a hybrid model's state
-    pool) cannot fit in the free memory of this rank's device, before any of it is allocated.
+    pool) cannot fit in the free memory of this rank's device, before any of it is allocated
+    (``default``: the smallest pool that sizing by the requests can make, one page).
     No collective: callers gather every rank's problems (``torch_cp.agreement``), so a pool
     that fits on one rank only is refused on every rank, naming the rank it does not fit."""
     free = _free_bytes(runtime)
@@ -188,8 +189,10 @@ def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: i
         return []
     beside = (f" beside {reserved_bytes / 2**30:.1f} GiB of state pool" if reserved_bytes
               else "")
-    return [f"num_pages {num_pages} need {num_pages * per_page / 2**30:.1f} GiB of pool on "
-            f"each rank{beside}; the free memory holds at most {fits} pages"]
+    what = ("the default pool's first page (page_size " f"{page_size}) needs" if default
+            else f"num_pages {num_pages} need")
+    return [f"{what} {num_pages * per_page / 2**30:.1f} GiB of pool on each rank{beside}; the "
+            f"free memory holds at most {fits} pages"]
 
 
 def _free_bytes(runtime) -> int | None:

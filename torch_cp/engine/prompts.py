@@ -147,7 +147,8 @@ def _encoded(batch: list, tokenizer, pad_ids, problems: list[str]) -> list[list[
             if tokenizer is None:
                 why = "a string needs tokenizer= to encode it"
             else:
-                ids = list(tokenizer(p, add_special_tokens=False)["input_ids"])
+                ids, why = _tokenized(lambda text: list(tokenizer(
+                    text, add_special_tokens=False)["input_ids"]), p)
         elif _is_chat(p):
             if tokenizer is None:
                 why = "a chat needs tokenizer= (one with a chat template) to render it"
@@ -155,9 +156,9 @@ def _encoded(batch: list, tokenizer, pad_ids, problems: list[str]) -> list[list[
                 why = ("a chat needs a tokenizer with a chat template, and this one has none: "
                        "set tokenizer.chat_template, or pass text or token ids")
             else:
-                ids = token_ids_of(tokenizer.apply_chat_template(
-                    list(p), add_generation_prompt=True, tokenize=True,
-                    return_dict=True)["input_ids"])
+                ids, why = _tokenized(lambda chat: token_ids_of(tokenizer.apply_chat_template(
+                    list(chat), add_generation_prompt=True, tokenize=True,
+                    return_dict=True)["input_ids"]), p)
         elif isinstance(p, Mapping) and "input_ids" in p:
             try:
                 rows = normalize_prompts(p, tokenizer, pad_token_ids=pad_ids)
@@ -183,6 +184,15 @@ def _encoded(batch: list, tokenizer, pad_ids, problems: list[str]) -> list[list[
     problems += [f"prompt{'s' if len(ix) > 1 else ''} {_shown(ix)}: {why}"
                  for why, ix in bad.items()]
     return out
+
+
+def _tokenized(encode, prompt) -> tuple[list[int] | None, str | None]:
+    """``encode(prompt)``'s token ids, or why not: a tokenizer or chat template may raise
+    anything, and the prompt's index is named beside the other prompts' problems (helper 87)."""
+    try:
+        return encode(prompt), None
+    except Exception as e:
+        return None, f"the tokenizer raised {type(e).__name__}: {e}"
 
 
 def _rows(x) -> tuple[list | None, int, str]:

@@ -1,10 +1,11 @@
 """``model.generate`` on a patched model: a paged cache that plans each step from the padded input.
 
 Hugging Face ``generate`` feeds the model ``[B, S]`` input ids (left-padded in a batch) with a
-``[B, past + S]`` attention mask. ``GenerateCache`` keeps each row's logical length and pages; a
-forward pre-hook on the model turns each call's ids and mask into a step plan whose
-``token_index`` picks the real tokens out of the flattened ``[B * S]`` input, and drops the mask
-(the patched attention reads the plan, not the mask, so transformers need not build one).
+``[B, past + S]`` attention mask. ``GenerateCache`` (``hf.generate_cache``) keeps each row's
+logical length and pages; a forward pre-hook on the model turns each call's ids and mask into a
+step plan whose ``token_index`` picks the real tokens out of the flattened ``[B * S]`` input, and
+drops the mask (the patched attention reads the plan, not the mask, so transformers need not
+build one).
 
     install_generate(model)        # patch_model calls it; idempotent
     model.generate(input_ids, attention_mask=mask, max_new_tokens=32)       # cache made for you
@@ -27,7 +28,6 @@ the tokens.
 from __future__ import annotations
 
 import inspect
-import logging
 import types
 
 import torch
@@ -35,132 +35,15 @@ import torch
 from torch_cp import compat
 from torch_cp.agreement import agree, described, fingerprint
 from torch_cp.hf.cache import PagedKVCache
-from torch_cp.kv.allocator import PageAllocator
-from torch_cp.plan import build_step_plan
+from torch_cp.hf.generate_cache import GenerateCache
 from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
 from torch_cp.values import positive_int
-
-log = logging.getLogger("torch_cp")
 
 # model.generate's arguments that only show what it makes, compared on no rank: the usual
 # ``streamer=TextStreamer(tokenizer) if rank == 0 else None`` (as ``progress`` in the engine).
 SHOWN_ONLY = ("streamer",)
 NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
                         "output_attentions=True needs the unpatched model (unpatch_model)")
-
-
-class GenerateCache(PagedKVCache):
-    """A ``PagedKVCache`` whose step plans come from padded ``[B, S]`` inputs (``model.generate``).
-
-    Args:
-        runtime, pool, state: as for ``PagedKVCache`` (a hybrid model's state pool has a slot
-            per row: row r's state lives in slot r).
-        batch_size: rows B of every forward it serves.
-    """
-
-    def __init__(self, runtime, pool, batch_size: int, state=None):
-        super().__init__(runtime, pool, state)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.rows = batch_size
-        self.allocator = PageAllocator(pool.num_pages, pool.page_size)
-        self.row_lens = [0] * batch_size  # real tokens cached per row
-        self.columns = 0  # padded columns seen: the length transformers counts
-
-    def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Plan the forward of ``input_ids`` [B, S] whose real tokens ``attention_mask``
-        [B, past + S] (or [B, S]; ``None``: all real) marks with 1."""
-        if input_ids.dim() != 2 or input_ids.shape[0] != self.rows:
-            raise ValueError(f"this cache serves input_ids of shape [{self.rows}, S], "
-                             f"got {list(input_ids.shape)}")
-        b, s = input_ids.shape
-        mask = (torch.ones(b, s, dtype=torch.bool) if attention_mask is None
-                else attention_mask[:, -s:].to("cpu", torch.bool))
-        q_lens = mask.sum(1).tolist()
-        rows = [r for r in range(b) if q_lens[r] > 0]  # a chunk may hold only a row's padding
-        if not rows:  # a prefill chunk of left padding only: nothing to attend, nothing cached
-            self.plan = build_step_plan([], [], [], page_size=self.pool.page_size,
-                                        sink_page=self.pool.sink_page,
-                                        placement=self.runtime.placement,
-                                        device=self.runtime.device)
-            self.columns += s
-            return
-        for r in rows:
-            if not self.allocator.reserve(r, self.row_lens[r] + q_lens[r]):
-                raise ValueError(
-                    f"row {r} needs {self.row_lens[r] + q_lens[r]} tokens, more than this cache's "
-                    f"pool of {self.pool.num_pages} pages holds: build a larger one with "
-                    f"torch_cp.new_cache(model, batch_size, max_length)")
-        # Tokens of a row are consecutive in the flattened input, so rows stay in order.
-        token_index = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
-        plan = build_step_plan(
-            [q_lens[r] for r in rows], [self.row_lens[r] for r in rows],
-            [self.allocator.table_tensor(r) for r in rows], page_size=self.pool.page_size,
-            sink_page=self.pool.sink_page, placement=self.runtime.placement,
-            device=self.runtime.device, token_index=token_index,
-            state_slots=None if self.state is None else rows,
-            sink_slot=None if self.state is None else self.state.sink_slot)
-        self.begin_step(plan)
-        for r in rows:
-            self.row_lens[r] += q_lens[r]
-        self.columns += s
-
-    def hold(self, max_length: int) -> None:
-        """Grow the pool, keeping every page it holds, until each row can reach ``max_length``
-        tokens: a cache passed back to ``generate`` for a conversation's next turn (its
-        ``past_key_values``) was sized for the turn before. The new pool is allocated before the
-        old one is dropped."""
-        pages = self.rows * -(-max_length // self.pool.page_size)
-        if pages <= self.pool.num_pages:
-            return
-        old = self.pool
-        pool = self.runtime.new_pool(pages, old.page_size)
-        for grown, held in zip(pool.tensors, old.tensors):
-            grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages (no sink)
-        log.info("the generate cache grows from %d to %d pages for max_length %d",
-                 old.num_pages, pages, max_length)
-        self.pool = pool
-        self.allocator.grow(pages)
-
-    def logical(self) -> dict:
-        """What every rank's cache must agree on, its KV aside (each partner holds its own
-        stripe, each TP rank its own heads): rows, pages and what each row has cached."""
-        return dict(rows=self.rows, num_pages=self.pool.num_pages,
-                    page_size=self.pool.page_size, row_lens=self.row_lens, columns=self.columns,
-                    tables=[self.allocator.table(r) for r in range(self.rows)])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Padded columns already fed (what ``generate`` slices its next input by)."""
-        return self.columns
-
-    @property
-    def batch_size(self) -> int:
-        return self.rows
-
-    # The base class answers from its (empty) layer list; answer for the pool's attention layers.
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.runtime.num_layers
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.runtime.num_layers
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def reorder_cache(self, beam_idx):
-        raise ValueError("torch_cp's paged cache does not support beam search (num_beams > 1)")
-
-    def batch_repeat_interleave(self, repeats: int):
-        raise ValueError("torch_cp's paged cache cannot expand rows after it is built")
-
-    def batch_select_indices(self, indices):
-        raise ValueError("torch_cp's paged cache cannot select rows")
-
-    def crop(self, max_length: int):
-        raise ValueError("torch_cp's paged cache cannot be cropped (assisted decoding)")
 
 
 def new_cache(model, batch_size: int, max_length: int, page_size: int | None = None
