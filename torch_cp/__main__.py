@@ -187,12 +187,13 @@ def main(argv=None) -> int:
 def write_json(path: str, placement, world: int, kv: list[int], state: list[int], prompts,
                results, texts) -> None:
     """The run as JSON: P, mode (None at P = 1), world, KV and linear-attention state bytes per
-    rank (state: 0 unless the model is hybrid), every request."""
+    rank (state: 0 unless the model is hybrid), every request (``error``: why it ended with
+    ``finish_reason`` "error", else None)."""
     record = {"P": placement.size, "mode": placement.mode if placement.size > 1 else None,
               "world": world, "kv_bytes_per_rank": kv, "state_bytes_per_rank": state,
               "results": [{"index": r.index, "prompt_ids": list(prompts[r.index]),
                            "token_ids": list(r.token_ids), "finish_reason": r.finish_reason,
-                           "text": text} for r, text in zip(results, texts)]}
+                           "error": r.error, "text": text} for r, text in zip(results, texts)]}
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
 

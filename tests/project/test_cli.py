@@ -87,7 +87,8 @@ def test_json_holds_the_run(single_process, expected):
         "P": 1, "mode": None, "world": 1, "kv_bytes_per_rank": parse(out)[1]}
     assert record["results"] == [
         {"index": i, "prompt_ids": tok(p, add_special_tokens=False)["input_ids"],
-         "token_ids": list(r.token_ids), "finish_reason": r.finish_reason, "text": r.text}
+         "token_ids": list(r.token_ids), "finish_reason": r.finish_reason, "error": None,
+         "text": r.text}
         for i, (p, r) in enumerate(zip(DEFAULT_PROMPTS, expected))]
 
 
@@ -282,12 +283,15 @@ def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
         f"linear-attention state bytes: {state[0]}" in out
 
 
-def test_a_request_that_can_never_fit_says_what_memory_holds(capsys):
+def test_a_request_that_can_never_fit_says_what_memory_holds(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        cli(["--max-new-tokens", str(10**12), "--no-progress"])
+        cli(["--max-new-tokens", str(10**12), "--no-progress", "--json", str(tmp_path / "r")])
     assert exit_.value.code == 1  # a request failed
     out = capsys.readouterr().out
     refusals = [line for line in out.splitlines() if line.startswith("request ")]
     assert len(refusals) == len(DEFAULT_PROMPTS)
     assert all("error: " in line and "can never fit: free memory holds a pool of at most"
                in line for line in refusals), out
+    record = json.loads((tmp_path / "r").read_text())  # the JSON says why too (helper 87)
+    assert [r["finish_reason"] for r in record["results"]] == ["error"] * len(DEFAULT_PROMPTS)
+    assert all(r["error"] in out for r in record["results"])
