@@ -189,7 +189,7 @@ def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: i
         return []
     beside = (f" beside {reserved_bytes / 2**30:.1f} GiB of state pool" if reserved_bytes
               else "")
-    what = ("the default pool's first page (page_size " f"{page_size}) needs" if default
+    what = (f"the default pool's first page (page_size {page_size}) needs" if default
             else f"num_pages {num_pages} need")
     return [f"{what} {num_pages * per_page / 2**30:.1f} GiB of pool on each rank{beside}; the "
             f"free memory holds at most {fits} pages"]
