@@ -163,7 +163,7 @@ MUTANTS = [
     Mutant("forward-unpack-order", "torch_cp/hf/forward.py",
            "index_copy(0, index, out_nd[: index.shape[0]])",
            "index_copy(0, index.flip(0), out_nd[: index.shape[0]])", GQA),
-    Mutant("generate-mask-columns", "torch_cp/hf/model_generate.py",
+    Mutant("generate-mask-columns", "torch_cp/hf/generate_cache.py",
            "attention_mask[:, -s:]", "attention_mask[:, :s]", (T + "hf/test_hf_generate.py",)),
 ]
 
