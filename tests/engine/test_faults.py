@@ -315,6 +315,18 @@ def test_generate_refuses_a_default_pool_whose_first_page_cannot_fit(model, monk
         torch_cp.generate(model, [[1, 2, 3]], 2, page_size=10**9, progress=False)
 
 
+def test_the_memory_check_counts_the_sink_page(model, monkeypatch):
+    """A pool of N pages allocates N + 1 (the sink): free memory of 1.5 pages holds none
+    (helper 88: a pool of one page passed, and took two)."""
+    from torch_cp.engine import memory
+
+    per_page = memory.pool_bytes_per_page(model.torch_cp, 8)
+    monkeypatch.setattr(memory, "_free_bytes", lambda runtime: per_page * 3 // 2)
+    assert memory.pool_fit_problems(model.torch_cp, 8, 1)[0].endswith("holds at most 0 pages")
+    monkeypatch.setattr(memory, "_free_bytes", lambda runtime: per_page * 2)
+    assert memory.pool_fit_problems(model.torch_cp, 8, 1) == []
+
+
 def test_engines_for_calls_of_similar_lengths_share_their_bucket_width(model, monkeypatch):
     """The captured buckets' page-table width is the longest request's, rounded up to a power
     of two (the backend keeps a kernel set per bucket shape): 5 and 7 pages give 8."""

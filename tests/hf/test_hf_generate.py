@@ -298,10 +298,47 @@ def test_a_conversation_continues_from_the_cache_of_its_last_turn(model):
     for w, g in zip(want, got):
         assert torch.equal(g, w)
     assert isinstance(cache, GenerateCache)
-    assert cache.pool.num_pages == 2 * -(-got[-1].shape[1] // model.torch_cp.page_size)
+    # sized for the last call's max_length: all but its last token is ever fed
+    assert cache.pool.num_pages == 2 * -(-(got[-1].shape[1] - 1) // model.torch_cp.page_size)
     # every turn fed only its new columns: each row cached its real tokens but the last one
     real = whole_mask.sum(1) + got[-1].shape[1] - whole_mask.shape[1]
     assert cache.row_lens == [int(n) - 1 for n in real]
+
+
+def test_a_next_turn_of_new_tokens_only_grows_the_cache_as_it_needs(model):
+    """Hugging Face's other form of a next turn: ``input_ids`` the new tokens alone, the mask
+    the whole conversation's; its max_length counts this call's tokens only, so the prefill
+    grows the pool (helper 88: refused). The tokens are the unpatched model's."""
+    ids, mask = left_padded(PROMPTS[:2])
+    outs = {}
+    for name, m in (("unpatched", tiny_qwen3()), ("patched", model)):
+        first = m.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+        user = torch.tensor([list(range(60, 90))] * 2)
+        whole = torch.cat([mask, torch.ones(2, 3 + user.shape[1], dtype=mask.dtype)], 1)
+        # the last generated token was never fed: it leads the new input
+        new = torch.cat([first.sequences[:, -1:], user], 1)
+        outs[name] = m.generate(new, attention_mask=whole, cache=_cache_of(first),
+                                max_new_tokens=4, do_sample=False)
+    assert torch.equal(outs["patched"], outs["unpatched"])
+
+
+def test_a_cached_column_masked_out_afterwards_is_refused(model):
+    """The pool attends every cached token: a next turn whose mask zeros a column the cache
+    holds as real (a row's padding after its EOS, as ``seq != pad`` makes it) would silently
+    give other tokens than Hugging Face's cache, which masks it (helper 88)."""
+    ids, mask = left_padded(PROMPTS[:2])
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+    cache = _cache_of(first)
+    seq = torch.cat([first.sequences, torch.tensor([[5, 6]] * 2)], 1)
+    whole = torch.ones_like(seq)
+    whole[:, : ids.shape[1]] = mask
+    whole[0, ids.shape[1]] = 0  # row 0's first generated token, cached as real
+    with pytest.raises(ValueError, match=r"holds \[21, 7\] real tokens a row in its first 21 "
+                                         r"columns; the attention mask marks \[20, 7\]"):
+        model.generate(seq, attention_mask=whole, cache=cache, max_new_tokens=2)
+    assert cache.row_lens == [21, 7]  # refused before anything was planned
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_text"])

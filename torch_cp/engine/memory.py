@@ -184,7 +184,8 @@ def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: i
     that fits on one rank only is refused on every rank, naming the rank it does not fit."""
     free = _free_bytes(runtime)
     per_page = pool_bytes_per_page(runtime, page_size)
-    fits = None if free is None else max(0, free - reserved_bytes) // per_page
+    # logical pages: the pool allocates its sink page beside them (helper 88)
+    fits = None if free is None else max(0, (free - reserved_bytes) // per_page - 1)
     if fits is None or num_pages <= fits:
         return []
     beside = (f" beside {reserved_bytes / 2**30:.1f} GiB of state pool" if reserved_bytes

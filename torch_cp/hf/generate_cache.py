@@ -54,12 +54,13 @@ class GenerateCache(PagedKVCache):
                                         device=self.runtime.device)
             self.columns += s
             return
+        missing = sum(self.allocator.missing_pages(r, self.row_lens[r] + q_lens[r]) for r in rows)
+        if missing > self.allocator.free_pages:  # ``hold`` sized it from a max_length that
+            # counted only this call's input (its input_ids the new tokens alone): at least double
+            self._grow(max(2 * self.allocator.num_pages,
+                           self.allocator.num_pages + missing - self.allocator.free_pages))
         for r in rows:
-            if not self.allocator.reserve(r, self.row_lens[r] + q_lens[r]):
-                raise ValueError(
-                    f"row {r} needs {self.row_lens[r] + q_lens[r]} tokens, more than this cache's "
-                    f"pool of {self.pool.num_pages} pages holds: build a larger one with "
-                    f"torch_cp.new_cache(model, batch_size, max_length)")
+            assert self.allocator.reserve(r, self.row_lens[r] + q_lens[r]), "grown to fit"
         # Tokens of a row are consecutive in the flattened input, so rows stay in order.
         token_index = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
         plan = build_step_plan(
@@ -77,18 +78,40 @@ class GenerateCache(PagedKVCache):
     def hold(self, max_length: int) -> None:
         """Grow the pool, keeping every page it holds, until each row can reach ``max_length``
         tokens: a cache passed back to ``generate`` for a conversation's next turn (its
-        ``past_key_values``) was sized for the turn before. The new pool is allocated before the
-        old one is dropped."""
-        pages = self.rows * -(-max_length // self.pool.page_size)
-        if pages <= self.pool.num_pages:
+        ``cache``) was sized for the turn before. (A step that still does not fit grows it
+        too: ``prepare``.)"""
+        self._grow(self.rows * -(-max_length // self.pool.page_size))
+
+    def check_cached_columns(self, attention_mask: torch.Tensor | None) -> None:
+        """Refuse a mask [B, columns + S] that marks the cached columns otherwise than they were
+        cached: the pool holds each row's tokens in order and attends all of them, so a column
+        cached as real cannot be masked out later (Hugging Face's cache can: another answer)."""
+        if self.columns == 0:
+            return
+        if attention_mask is None:
+            marked = [self.columns] * self.rows
+        elif attention_mask.dim() != 2 or attention_mask.shape[1] < self.columns:
+            marked = None
+        else:
+            marked = attention_mask[:, :self.columns].to("cpu", torch.bool).sum(1).tolist()
+        if marked != self.row_lens:
+            raise ValueError(
+                f"the cache passed holds {self.row_lens} real tokens a row in its first "
+                f"{self.columns} columns; the attention mask marks "
+                f"{'fewer columns' if marked is None else marked}: a cached column cannot be "
+                f"masked out afterwards (keep 1 where the last call generated, the padding after "
+                f"an EOS included), or generate without the cache")
+
+    def _grow(self, pages: int) -> None:
+        """A pool of ``pages`` pages holding this one's (the new one allocated first)."""
+        if pages <= self.allocator.num_pages:
             return
         old = self.pool
         pool = self.runtime.new_pool(pages, old.page_size)
         for grown, held in zip(pool.tensors, old.tensors):
             grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages (no sink)
-        log.info("the generate cache grows from %d to %d pages for max_length %d",
-                 old.num_pages, pages, max_length)
-        self.pool = pool
+        log.info("the generate cache grows from %d to %d pages", old.num_pages, pages)
+        self.pool = pool  # before the allocator: its pages never outnumber the pool's
         self.allocator.grow(pages)
 
     def logical(self) -> dict:
