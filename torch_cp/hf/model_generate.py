@@ -14,7 +14,9 @@ build one).
 ``generate`` refuses unknown keyword arguments, so the pool cannot be sized through it: it is sized
 from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly). A cache
 given back for a conversation's next turn (the last call's ``cache`` / ``past_key_values``, with
-the whole conversation as ``input_ids``) grows to the new call's ``max_length``.
+the whole conversation or only its new tokens as ``input_ids``, and the whole conversation's
+mask) grows as the call needs; a mask that zeros a column the cache holds as real is refused
+(the pool attends every cached token).
 Beam search is not supported (a paged cache does not reorder rows).
 
 Under torchrun every rank calls ``generate`` with the same inputs (checked first: one gather of
