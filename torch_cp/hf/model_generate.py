@@ -55,9 +55,9 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     Args:
         model: patched by ``torch_cp.patch_model``.
         batch_size: rows of the generate call (``num_return_sequences`` included).
-        max_length: the longest row, prompt (with its padding) and new tokens. A later call
-            given the cache back (a conversation's next turn, as ``past_key_values``) grows
-            its pool to that call's ``max_length``, keeping what it holds.
+        max_length: the longest row, prompt (with its padding) and new tokens. The size it
+            starts at, not a cap: a call that needs more (a conversation's next turn, given
+            this cache back) grows the pool, keeping what it holds.
         page_size: tokens per page (default: the one given to ``patch_model``).
     """
     runtime = runtime_to_run(model)
