@@ -130,7 +130,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
         if user.rows != rows:
             raise ValueError(f"the cache passed serves {user.rows} rows, this call has {rows} "
                              f"(batch size x num_return_sequences)")
-        user.check_cached_columns(model_kwargs.get("attention_mask"))
+        user.check_cached_columns(mask)  # the whole conversation's, read above
         compat.prepare_cache_default(self, generation_config, model_kwargs, generation_mode,
                                      batch_size, max_cache_length)
         user.hold(max_cache_length)  # before the prefill reserves a page
