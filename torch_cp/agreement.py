@@ -14,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def fingerprint(**arguments) -> dict[str, str]:
@@ -90,12 +93,7 @@ def agree_over(spans: bool, device, call: str, problems: list[str],
             mine = digest()
         except Exception as e:  # noqa: BLE001 (named on every rank; never a skipped gather)
             problems = [f"the arguments of {call} cannot be compared: {type(e).__name__}: {e}"]
-    gathered: list = [None] * dist.get_world_size()
-    device = torch.device(device) if device is not None else None
-    # NCCL moves the objects through the current CUDA device: make it this rank's.
-    on_cuda = device is not None and device.type == "cuda"
-    with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
-        dist.all_gather_object(gathered, (problems, mine))
+    gathered = _gathered(device, (problems, mine))
     ranks_of: dict[str, list[int]] = {}  # each message once, with every rank that found it
     for rank, (p, _) in enumerate(gathered):
         if p:
@@ -110,3 +108,41 @@ def agree_over(spans: bool, device, call: str, problems: list[str],
     if differ:
         raise ValueError(f"the ranks called {call} with different {', '.join(differ)}: every "
                          f"rank must pass the same arguments")
+
+
+def together(spans: bool, device, call: str, work: Callable[[], T]) -> T:
+    """``work()`` (an allocation) on every rank of the world where ``spans``, raising on every
+    rank where it raised on any: a pool that runs out of memory on one rank only (the ranks'
+    free memory differs) left the others waiting in the next step's collective, for ever. One
+    gather of each rank's outcome; elsewhere ``work()`` alone. The failing ranks raise their
+    own error; the others a ``torch.OutOfMemoryError`` (when every failure was one) or a
+    RuntimeError naming each failing rank and its error."""
+    if not across_ranks(spans):
+        return work()
+    try:
+        result, error = work(), None
+    except Exception as e:  # noqa: BLE001 (raised below, after every rank has said how it went)
+        result, error = None, e
+    outcomes = _gathered(device, None if error is None else (type(error).__name__, str(error)))
+    failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+    if error is not None:
+        raise error
+    if failed:
+        named = "; ".join(f"rank {rank}: {kind}: {message}"
+                          for rank, (kind, message) in failed.items())
+        oom = all(kind == torch.OutOfMemoryError.__name__ for kind, _ in failed.values())
+        raise (torch.OutOfMemoryError if oom else RuntimeError)(
+            f"{call} failed on {'rank' if len(failed) == 1 else 'ranks'} "
+            f"{', '.join(map(str, failed))}, so it stops on every rank ({named})")
+    return result
+
+
+def _gathered(device, obj) -> list:
+    """Every rank's ``obj``, in rank order. ``device``: this rank's (NCCL moves the objects
+    through the current CUDA device: make it this rank's)."""
+    gathered: list = [None] * dist.get_world_size()
+    device = torch.device(device) if device is not None else None
+    on_cuda = device is not None and device.type == "cuda"
+    with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+        dist.all_gather_object(gathered, obj)
+    return gathered

@@ -66,6 +66,7 @@ def _ranks(rank: int, world_size: int):
         assert model.torch_cp.placement.size == 2
         out[mode] = _generate(model)
         out[f"{mode} model.generate"] = _hf_generate(model)
+        out[f"{mode} out of memory"] = _out_of_memory_on_rank_1(model, rank)
         out[f"{mode} next turn"] = _next_turn(model)
         records = []
         model.torch_cp.exchange.records = records
@@ -209,6 +210,43 @@ def _next_turn(model) -> list[list[int]]:
     cache = first.get("cache", first.get("past_key_values"))
     out = model.generate(seq, cache=cache, max_new_tokens=NEW, do_sample=False)
     return out[0, seq.shape[1]:].tolist()
+
+
+def _out_of_memory_on_rank_1(model, rank: int) -> dict[str, str]:
+    """What each rank raises when rank 1 alone runs out of memory allocating an engine's pools,
+    a generate cache, and growing that cache for a conversation's next turn; then the next
+    turn, retried with the memory back, runs from the cache as it was (``_next_turn``'s)."""
+    runtime = model.torch_cp
+    new_pool = runtime.new_pool
+
+    def out_of_memory(num_pages, page_size=None, device=None):
+        if device == "meta":  # sizing a pool (the free-memory checks) allocates nothing
+            return new_pool(num_pages, page_size, device)
+        raise torch.OutOfMemoryError("CUDA out of memory (rank 1 alone, in this test)")
+
+    def with_rank_1_out_of_memory(call) -> str:
+        if rank == 1:
+            runtime.new_pool = out_of_memory  # the instance's, over the class's method
+        try:
+            call()
+        except torch.OutOfMemoryError as e:
+            return f"OutOfMemoryError: {e}"
+        finally:
+            runtime.__dict__.pop("new_pool", None)
+        return "ran"
+
+    ids = torch.tensor([PROMPTS[0]])
+    out = {"engine": with_rank_1_out_of_memory(lambda: Engine(model, PAGES, PAGE, BUDGET)),
+           "generate": with_rank_1_out_of_memory(
+               lambda: model.generate(ids, max_new_tokens=2, do_sample=False))}
+    first = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    seq = torch.cat([first.sequences, torch.tensor([list(range(20, 50))])], 1)
+    cache = first.get("cache", first.get("past_key_values"))
+    out["grow"] = with_rank_1_out_of_memory(
+        lambda: model.generate(seq, cache=cache, max_new_tokens=NEW, do_sample=False))
+    retried = model.generate(seq, cache=cache, max_new_tokens=NEW, do_sample=False)
+    out["retried next turn"] = retried[0, seq.shape[1]:].tolist()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -359,6 +397,28 @@ def test_a_conversation_continues_from_its_cache_over_two_partners(ranks, mode):
     want = model.generate(seq, max_new_tokens=NEW, do_sample=False)[0, seq.shape[1]:].tolist()
     for rank, per_mode in enumerate(ranks):
         assert per_mode[f"{mode} next turn"] == want, f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_memory_running_out_on_one_rank_raises_on_every_rank(ranks, mode):
+    """Rank 1 alone runs out of memory allocating an engine's pools, model.generate's cache,
+    and growing a cache for the next turn: rank 1 raises its error and rank 0 one naming rank 1
+    (before, rank 0 went on into the step's collectives and waited for ever). The cache keeps
+    what it held: the next turn, retried, gives the unpatched model's tokens."""
+    got = [per_mode[f"{mode} out of memory"] for per_mode in ranks]
+    own = "OutOfMemoryError: CUDA out of memory (rank 1 alone, in this test)"
+    for call, what in (("engine", "allocating the engine's pools"),
+                       ("generate", "allocating the generate cache"),
+                       ("grow", "growing the generate cache to")):
+        assert got[1][call] == own, call
+        assert got[0][call].startswith(f"OutOfMemoryError: {what}"), (call, got[0][call])
+        assert f"failed on rank 1, so it stops on every rank (rank 1: {own})" in got[0][call]
+    model = tiny_qwen3()
+    ids = torch.tensor([PROMPTS[0]])
+    seq = torch.cat([model.generate(ids, max_new_tokens=2, do_sample=False),
+                     torch.tensor([list(range(20, 50))])], 1)
+    want = model.generate(seq, max_new_tokens=NEW, do_sample=False)[0, seq.shape[1]:].tolist()
+    assert got[0]["retried next turn"] == got[1]["retried next turn"] == want
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

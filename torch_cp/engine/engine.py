@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from torch_cp.agreement import across_ranks, agree_over, fingerprint
+from torch_cp.agreement import across_ranks, agree_over, fingerprint, together
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
 from torch_cp.engine.checks import engine_problems, positive_ints
@@ -73,8 +73,7 @@ class Engine(BatchRuns, Serving):
             step's tokens while the next one runs. A request that stopped at EOS has its row
             in that next step dropped; any other wrong guess is re-planned. Tokens are the same
             either way.
-        progress: print a line (rank 0, stderr) while CUDA graphs are captured and layers
-            compiled.
+        progress: print a line (rank 0, stderr) while graphs are captured and layers compiled.
         prefix_caching: keep the KV of full pages after their request ends (keyed by a hash
             chain from the first token) so that later requests sharing that prefix, in this or
             a later ``run``, skip its prefill; cached pages no request holds are evicted, least
@@ -89,7 +88,8 @@ class Engine(BatchRuns, Serving):
     Raises:
         ValueError naming every problem, before anything is allocated; under torchrun on every
         rank alike, naming another rank's problems (a pool its free memory cannot hold) or the
-        arguments that differ between ranks (``progress`` may differ; nothing else).
+        arguments that differ between ranks (``progress`` may differ; nothing else). Where the
+        pools then run out of memory on one rank, every rank raises (``agreement.together``).
     """
 
     def __init__(self, model, num_pages: int, page_size: int | None = None,
@@ -132,9 +132,10 @@ class Engine(BatchRuns, Serving):
                                                      state_checkpoints)
         self.allocator = (PrefixCachingAllocator(num_pages, page_size, state_slots, checkpoints)
                           if prefix_caching else PageAllocator(num_pages, page_size, state_slots))
-        self.pool = self.runtime.new_pool(num_pages, page_size)
-        # None unless hybrid; the checkpoints' slots follow the running requests'.
-        self.state = new_state_pool(self.runtime, state_slots + checkpoints)
+        self.pool, self.state = together(  # state: None unless hybrid, checkpoints' slots last
+            self.runtime.spans_ranks, self.runtime.device, "allocating the engine's pools",
+            lambda: (self.runtime.new_pool(num_pages, page_size),
+                     new_state_pool(self.runtime, state_slots + checkpoints)))
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
         self.broadcast = across_ranks(self.runtime.spans_ranks)
         self.decides = not self.broadcast or dist.get_rank() == 0  # serving's: rank 0, or alone

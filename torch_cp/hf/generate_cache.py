@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from torch_cp.agreement import together
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
@@ -107,7 +108,10 @@ class GenerateCache(PagedKVCache):
         if pages <= self.allocator.num_pages:
             return
         old = self.pool
-        pool = self.runtime.new_pool(pages, old.page_size)
+        # On every rank or on none: a rank out of memory alone left the others in a collective.
+        pool = together(self.runtime.spans_ranks, self.runtime.device,
+                        f"growing the generate cache to {pages} pages",
+                        lambda: self.runtime.new_pool(pages, old.page_size))
         for grown, held in zip(pool.tensors, old.tensors):
             grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages (no sink)
         log.info("the generate cache grows from %d to %d pages", old.num_pages, pages)

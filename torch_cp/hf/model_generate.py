@@ -35,7 +35,7 @@ import types
 import torch
 
 from torch_cp import compat
-from torch_cp.agreement import agree, described, fingerprint
+from torch_cp.agreement import agree, described, fingerprint, together
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.hf.generate_cache import GenerateCache
 from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
@@ -71,8 +71,10 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     batch_size, max_length = rows, length
     pages = batch_size * -(-max_length // size)
     install_generate(model)
-    return GenerateCache(runtime, runtime.new_pool(pages, size), batch_size,
-                         new_state_pool(runtime, batch_size))
+    pool, state = together(runtime.spans_ranks, runtime.device, "allocating the generate cache",
+                           lambda: (runtime.new_pool(pages, size),
+                                    new_state_pool(runtime, batch_size)))
+    return GenerateCache(runtime, pool, batch_size, state)
 
 
 def _plan_before_forward(module, args, kwargs):
