@@ -111,30 +111,35 @@ def agree_over(spans: bool, device, call: str, problems: list[str],
 
 
 def together(spans: bool, device, call: str, work: Callable[[], T]) -> T:
-    """``work()`` (an allocation) on every rank of the world where ``spans``, raising on every
-    rank where it raised on any: a pool that runs out of memory on one rank only (the ranks'
-    free memory differs) left the others waiting in the next step's collective, for ever. One
-    gather of each rank's outcome; elsewhere ``work()`` alone. The failing ranks raise their
-    own error; the others a ``torch.OutOfMemoryError`` (when every failure was one) or a
+    """``work()`` (an allocation, with no collective in it) on every rank of the world where
+    ``spans``, raising on every rank where it raised on any: a pool that runs out of memory on
+    one rank only (the ranks' free memory differs) left the others waiting in the next step's
+    collective, for ever. One gather of each rank's outcome; elsewhere ``work()`` alone. The
+    failing ranks raise their own error (a KeyboardInterrupt too); the others drop what they
+    made and raise a ``torch.OutOfMemoryError`` (when every failure was one) or a
     RuntimeError naming each failing rank and its error."""
     if not across_ranks(spans):
         return work()
     try:
-        result, error = work(), None
-    except Exception as e:  # noqa: BLE001 (raised below, after every rank has said how it went)
-        result, error = None, e
-    outcomes = _gathered(device, None if error is None else (type(error).__name__, str(error)))
-    failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
-    if error is not None:
-        raise error
-    if failed:
-        named = "; ".join(f"rank {rank}: {kind}: {message}"
-                          for rank, (kind, message) in failed.items())
-        oom = all(kind == torch.OutOfMemoryError.__name__ for kind, _ in failed.values())
-        raise (torch.OutOfMemoryError if oom else RuntimeError)(
-            f"{call} failed on {'rank' if len(failed) == 1 else 'ranks'} "
-            f"{', '.join(map(str, failed))}, so it stops on every rank ({named})")
-    return result
+        result = work()
+    except BaseException as error:  # gathered, then raised as it came (no frame keeps it)
+        mine = (type(error).__name__, str(error))
+        others = [f"rank {rank}: {kind}: {message}" for rank, outcome in
+                  enumerate(_gathered(device, mine)) if outcome not in (None, mine)
+                  for kind, message in [outcome]]
+        if others and hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(f"{call} failed on other ranks too: {'; '.join(others)}")
+        raise
+    failed = {rank: outcome for rank, outcome in enumerate(_gathered(device, None))
+              if outcome is not None}
+    if not failed:
+        return result
+    del result  # a pool kept alive by this frame, which the exception's traceback holds
+    named = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in failed.items())
+    oom = all(kind == torch.OutOfMemoryError.__name__ for kind, _ in failed.values())
+    raise (torch.OutOfMemoryError if oom else RuntimeError)(
+        f"{call} failed on {'rank' if len(failed) == 1 else 'ranks'} "
+        f"{', '.join(map(str, failed))}, so it stops on every rank ({named})")
 
 
 def _gathered(device, obj) -> list:

@@ -100,6 +100,29 @@ def _raised(call, *args, **kwargs) -> str:
     return "ran"
 
 
+def _raised_any(call, *args, **kwargs) -> str:
+    """The exception ``call`` raised, else the tokens it returned."""
+    try:
+        return str(call(*args, **kwargs)[0].tolist())
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+class _ClosedAfter:
+    """A streamer whose output closes after ``n`` puts."""
+
+    def __init__(self, n: int):
+        self.left = n
+
+    def put(self, value) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise BrokenPipeError(32, "Broken pipe (in this test)")
+
+    def end(self) -> None:
+        pass
+
+
 def _refusals(rank: int) -> dict[str, str]:
     """What each rank raises when the ranks patch, build an engine or call ``model.generate``
     with arguments that differ, or that are bad (or do not fit) on rank 1 only. Each gather
@@ -152,6 +175,10 @@ def _refusals(rank: int) -> dict[str, str]:
     shown = transformers.TextStreamer(_Decoder()) if rank == 0 else None  # shows, on rank 0
     out["model.generate streamer on rank 0"] = model.generate(
         ids, max_new_tokens=NEW, do_sample=False, streamer=shown)[0].tolist()
+    # A streamer on rank 0 whose output closed mid-call left rank 1 in the step's collective.
+    out["model.generate streamer raising on rank 0"] = _raised_any(
+        model.generate, ids, max_new_tokens=NEW, do_sample=False,
+        streamer=_ClosedAfter(2) if rank == 0 else None)
     out["model.generate inputs"] = _raised(model.generate, ids + rank, max_new_tokens=NEW,
                                            do_sample=False)
     out["model.generate max_new_tokens"] = _raised(model.generate, ids, do_sample=False,
@@ -356,6 +383,10 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
     assert ranks[0]["refusals"]["agreed"] == ranks[1]["refusals"]["agreed"] == \
         ranks[0]["refusals"]["model.generate streamer on rank 0"]
     assert len(ranks[0]["refusals"]["agreed"]) == 3 + NEW
+    assert ranks[0]["refusals"]["model.generate streamer raising on rank 0"] == (
+        "BrokenPipeError: [Errno 32] Broken pipe (in this test)")
+    assert ranks[1]["refusals"]["model.generate streamer raising on rank 0"] == str(
+        ranks[0]["refusals"]["agreed"])
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

@@ -168,7 +168,28 @@ def _refusals(rank: int, paths: dict[str, str]) -> dict[str, str]:
             out[key] = "ran"
         except ValueError as e:
             out[key] = str(e)
+    out["read fails"] = _read_failing_on_rank_1(rank, mesh, paths["qwen3"])
     return out
+
+
+def _read_failing_on_rank_1(rank: int, mesh, path: str) -> str:
+    """What each rank raises when rank 1 alone fails reading a tensor, after the ranks agreed
+    (rank 0 went on to its first collective and waited there for ever)."""
+    from torch_cp.hf import load
+
+    read_into = load.read_into
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise OSError(5, "Input/output error (rank 1 alone, in this test)")
+        load.read_into = failing
+    try:
+        torch_cp.from_pretrained(path, mesh=mesh, context_parallel=True, page_size=PAGE_SIZE,
+                                 dtype=torch.float32)
+        return "ran"
+    except (OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        load.read_into = read_into
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +243,8 @@ def test_a_tp_rank_peaks_at_about_its_shard(ranks):
 @pytest.mark.slow
 def test_ranks_that_load_differently_all_refuse(ranks):
     """Ranks loading with other settings or checkpoints went on to hang or die in their
-    collectives, and a rank without the checkpoint left the others waiting: now every rank
-    raises, naming what differs or rank 1's problem."""
+    collectives, and a rank without the checkpoint, or failing to read it, left the others
+    waiting: now every rank raises, naming what differs or rank 1's problem."""
     for rank, results in enumerate(ranks(2)):
         got = results["refusals"]
         for key, named in [("page_size", "page_size"), ("checkpoint", "config")]:
@@ -232,3 +253,8 @@ def test_ranks_that_load_differently_all_refuse(ranks):
         assert got["missing"].startswith(("rank 1: " if rank == 0 else "") + "cannot load "), (
             f"rank {rank}: {got['missing']}")
         assert "-missing':\n  - not a directory with a config.json" in got["missing"]
+    own = "OSError: [Errno 5] Input/output error (rank 1 alone, in this test)"
+    assert ranks(2)[1]["refusals"]["read fails"] == own
+    assert ranks(2)[0]["refusals"]["read fails"] == (
+        f"RuntimeError: from_pretrained failed on rank 1, so it stops on every rank (rank 1: "
+        f"{own})")

@@ -224,6 +224,18 @@ def test_a_config_that_cannot_be_read_is_named_with_the_other_problems(checkpoin
         assert "dtype must be float32, bfloat16 or float16" in str(info.value)
 
 
+def test_a_generation_config_that_cannot_be_read_is_named_before_any_weight_is_read(
+        checkpoints, tmp_path, no_reads):
+    """It was read after every weight (on one rank only where only its copy was bad, the
+    others then waiting in their first collective)."""
+    path = Path(shutil.copytree(checkpoints["qwen3"], tmp_path / "ckpt"))
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError) as info:
+        torch_cp.from_pretrained(path, dtype=torch.float64)
+    assert "generation_config.json: OSError" in str(info.value)
+    assert "dtype must be float32, bfloat16 or float16" in str(info.value)
+
+
 def test_tied_embeddings_saved_as_the_lm_head_load_as_transformers_loads_them(checkpoints,
                                                                              tmp_path):
     path = _rewrite(checkpoints["qwen3"], tmp_path / "ckpt", lambda t: t.__setitem__(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache
 
+from torch_cp.agreement import together
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.plan import StepPlan
 from torch_cp.runtime import ModelRuntime, new_state_pool, runtime_to_run
@@ -48,10 +49,12 @@ class PagedKVCache(Cache):
                   state_slots: int = 1) -> PagedKVCache:
         """A cache with a fresh pool of ``num_pages`` pages for a patched ``model`` (page size:
         the one given to ``patch_model`` unless overridden), and for a hybrid model a state
-        pool of ``state_slots`` slots."""
+        pool of ``state_slots`` slots. Under torchrun, allocated on every rank or on none
+        (``agreement.together``)."""
         runtime = runtime_to_run(model)
-        return cls(runtime, runtime.new_pool(num_pages, page_size),
-                   new_state_pool(runtime, state_slots))
+        return cls(runtime, *together(
+            runtime.spans_ranks, runtime.device, "allocating a paged cache",
+            lambda: (runtime.new_pool(num_pages, page_size), new_state_pool(runtime, state_slots))))
 
     def begin_step(self, plan: StepPlan) -> None:
         """Make ``plan`` the plan of the next forward and plan the backend for it (host side)."""

@@ -40,11 +40,12 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
+from torch_cp.agreement import together
 from torch_cp.fused_linear import fused_storage
 from torch_cp.hf.checkpoint import map_checkpoint, read_into, tied_names
 from torch_cp.hf.checkpoint_files import read_headers
 from torch_cp.hf.patch import patch_validated, shard_model
-from torch_cp.hf.validate import DTYPES, agree_on_model, patch_problems
+from torch_cp.hf.validate import DTYPES, agree_on_model, mesh_spans_world, patch_problems
 from torch_cp.tp import SHARD_ATTR, shard_of
 
 log = logging.getLogger("torch_cp")
@@ -244,6 +245,12 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     except Exception as e:  # noqa: BLE001 (an unknown model_type, a config not JSON, a field of
         # the wrong type: named, on every rank, rather than raised on one before its gather)
         problems.append(f"config.json: {type(e).__name__}: {e}")
+    generation = None  # read before the gather: a bad file is named with the rest
+    if (path / "generation_config.json").is_file():
+        try:
+            generation = transformers.GenerationConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 (named on every rank, as config.json's)
+            problems.append(f"generation_config.json: {type(e).__name__}: {e}")
     dtype = _dtype(dtype, config, leaves, problems)
     if config is not None:
         try:
@@ -261,16 +268,23 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
     trees, key_problems = (map_checkpoint(model, leaves) if leaves or not file_problems
                            else ({}, []))
     _refuse(path, refused + problems + key_problems, model, mesh, device, arguments)
-    if _untie_saved_apart(model, leaves, _Files(path)):
-        trees, _ = map_checkpoint(model, leaves)  # the untied names read their own tensors
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    if settings.tp > 1:
-        shard_model(model, settings, mesh)
-    _load(model, trees, _Files(path), device)
-    problems = _loaded_problems(model, dtype, tied)
-    if problems:
-        raise RuntimeError("from_pretrained left the model incomplete: " + "; ".join(problems))
-    model.to(device)  # the buffers made in __init__ (rotary inv_freq)
-    if (path / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+
+    def load() -> None:  # no collective in it
+        trees_read = (map_checkpoint(model, leaves)[0]  # the untied names read their own
+                      if _untie_saved_apart(model, leaves, _Files(path)) else trees)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        if settings.tp > 1:
+            shard_model(model, settings, mesh)
+        _load(model, trees_read, _Files(path), device)
+        incomplete = _loaded_problems(model, dtype, tied)
+        if incomplete:
+            raise RuntimeError("from_pretrained left the model incomplete: "
+                               + "; ".join(incomplete))
+        model.to(device)  # the buffers made in __init__ (rotary inv_freq)
+
+    # Reading and allocating the weights, on every rank or on none: a rank out of memory or
+    # failing to read a shard alone left the others in their first collective, for ever.
+    together(mesh_spans_world(mesh, context_parallel), device, "from_pretrained", load)
+    if generation is not None:
+        model.generation_config = generation
     return patch_validated(model, settings, mesh, shard=False)

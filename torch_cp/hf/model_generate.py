@@ -35,7 +35,7 @@ import types
 import torch
 
 from torch_cp import compat
-from torch_cp.agreement import agree, described, fingerprint, together
+from torch_cp.agreement import across_ranks, agree, described, fingerprint, together
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.hf.generate_cache import GenerateCache
 from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
@@ -184,7 +184,37 @@ def _agreed_generate(self, *args, **kwargs):
         for name, value in
         (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
          ).items() if name not in SHOWN_ONLY}))
-    return generate(self, *args, **kwargs)
+    if kwargs.get("streamer") is None or not across_ranks(runtime.spans_ranks):
+        return generate(self, *args, **kwargs)
+    streamer = kwargs["streamer"] = _StreamerAfterSteps(kwargs["streamer"])
+    out = generate(self, *args, **kwargs)
+    if streamer.error is not None:
+        raise streamer.error
+    return out
+
+
+class _StreamerAfterSteps:
+    """A streamer given on some ranks only (``SHOWN_ONLY``), under torchrun: an error it
+    raised inside a step (a closed pipe) left the other ranks in that step's collective, for
+    ever. Its first error is kept, the streamer not called again, and the error raised once
+    ``generate`` returns (the other ranks return their tokens)."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+        self.error: Exception | None = None
+
+    def put(self, value) -> None:
+        self._call(self.streamer.put, value)
+
+    def end(self) -> None:
+        self._call(self.streamer.end)
+
+    def _call(self, method, *args) -> None:
+        if self.error is None:
+            try:
+                method(*args)
+            except Exception as error:  # noqa: BLE001 (raised after the last step)
+                self.error = error
 
 
 def _named(function, self, args, kwargs) -> dict:

@@ -181,10 +181,7 @@ def agree_on_model(model, call: str, mesh, device: torch.device | None, problems
     where a rank of such a world asks for context parallelism with no mesh (refused, on every
     rank). A rank given no mesh and no context parallelism runs alone and gathers nothing: if
     its partners were given a mesh, they wait for it."""
-    world = dist.is_initialized() and dist.get_world_size() > 1
-    spans = world and (
-        mesh is None and bool(arguments.get("context_parallel"))
-        or isinstance(mesh, DeviceMesh) and mesh.mesh.numel() == dist.get_world_size())
+    spans = mesh_spans_world(mesh, bool(arguments.get("context_parallel")))
     dtype, own = (model_dtype_device(model) if spans and isinstance(model, nn.Module)
                   else (None, None))
 
@@ -196,6 +193,15 @@ def agree_on_model(model, call: str, mesh, device: torch.device | None, problems
                            mesh=None if mesh is None else (
                                tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type))
     agree_over(spans, own if device is None else device, call, problems, digest)
+
+
+def mesh_spans_world(mesh, context_parallel: bool) -> bool:
+    """Whether patching with ``mesh`` runs on every rank of a world of more than one rank (the
+    mesh is the world's, or context parallelism asked for with no mesh, which is refused)."""
+    world = dist.is_initialized() and dist.get_world_size() > 1
+    return world and (
+        mesh is None and context_parallel
+        or isinstance(mesh, DeviceMesh) and mesh.mesh.numel() == dist.get_world_size())
 
 
 def _public(config: dict) -> dict:
