@@ -88,6 +88,39 @@ def _ranks(rank: int, world_size: int):
     except ValueError as e:
         out["disagree"].append(str(e))
     out["refusals"] = _refusals(rank)
+    out["patch out of memory"] = _patch_out_of_memory_on_rank_1(rank)
+    return out
+
+
+def _patch_out_of_memory_on_rank_1(rank: int) -> dict:
+    """Rank 1 alone runs out of memory fusing the MLPs' weights, in SP mode (nothing sharded:
+    then both ranks patch again and generate) and over TP (both sharded their weights: then
+    patching again is refused on both)."""
+    from torch_cp.hf import patch
+
+    fuse = patch.fuse_gate_up
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (rank 1 alone, in this test)")
+    out = {}
+    for mode, sizes in MESHES.items():
+        mesh, model = init_mesh(**sizes, device_type="cpu"), tiny_qwen3()
+        patch.fuse_gate_up = out_of_memory if rank == 1 else fuse
+        try:
+            torch_cp.patch_model(model, context_parallel=True, mesh=mesh, mode=mode,
+                                 page_size=PAGE)
+            out[mode] = "ran"
+        except torch.OutOfMemoryError as e:
+            out[mode] = f"OutOfMemoryError: {e}"
+        finally:
+            patch.fuse_gate_up = fuse
+        try:
+            model = torch_cp.patch_model(model, context_parallel=True, mesh=mesh, mode=mode,
+                                         page_size=PAGE)
+            out[f"{mode} again"] = [r.token_ids for r in torch_cp.generate(
+                model, PROMPTS, NEW, num_pages=PAGES, page_size=PAGE, progress=False)]
+        except ValueError as e:
+            out[f"{mode} again"] = str(e)
     return out
 
 
@@ -450,6 +483,23 @@ def test_memory_running_out_on_one_rank_raises_on_every_rank(ranks, mode):
                      torch.tensor([list(range(20, 50))])], 1)
     want = model.generate(seq, max_new_tokens=NEW, do_sample=False)[0, seq.shape[1]:].tolist()
     assert got[0]["retried next turn"] == got[1]["retried next turn"] == want
+
+
+def test_memory_running_out_on_one_rank_while_patching_raises_on_every_rank(ranks, hf):
+    """Rank 0 finished patching and went on to its first collective, waiting there for ever;
+    rank 1 was left half patched. Now both raise and put back what they changed: in SP mode
+    both patch again and generate the unpatched tokens; over TP, where the weights were cut
+    to shards, patching again is refused, naming why."""
+    got = [per_rank["patch out of memory"] for per_rank in ranks]
+    own = "OutOfMemoryError: CUDA out of memory (rank 1 alone, in this test)"
+    for mode in MESHES:
+        assert got[1][mode] == own, mode
+        assert got[0][mode] == (f"OutOfMemoryError: patch_model failed on rank 1, so it stops "
+                                f"on every rank (rank 1: {own})"), mode
+    assert got[0]["sp again"] == got[1]["sp again"] == [tuple(t) for t in hf]
+    assert got[0]["tp again"] == got[1]["tp again"] == (
+        "cannot patch the model:\n  - a patch_model that failed had cut this model's weights "
+        "to one of 2 TP ranks' shards: load the model again")
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

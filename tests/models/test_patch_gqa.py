@@ -167,6 +167,33 @@ def test_patch_twice_raises_and_unpatch_restores():
     assert_matches(greedy(model, PROMPTS[:1], NEW_TOKENS), ref_tokens, ref_logits, "repatched")
 
 
+@pytest.mark.parametrize("failing", ["fuse_gate_up", "kernel_routers"])
+def test_a_patch_that_fails_partway_leaves_the_model_as_it_was(monkeypatch, failing):
+    """Out of memory while fusing the MLPs' weights (the third-to-last part of patching), or
+    at the very end: every forward and fused weight is put back, bit for bit, and the model
+    patches again (before, it was left half patched and refused or misbehaved)."""
+    model = tiny_model("qwen3_moe" if failing == "kernel_routers" else "qwen3")
+    ref_tokens, ref_logits = hf_greedy(model, PROMPTS[:1])
+    before = {name: p.clone() for name, p in model.named_parameters()}
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (in this test)")
+    monkeypatch.setattr(f"torch_cp.hf.patch.{failing}", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="in this test"):
+        torch_cp.patch_model(model, page_size=4)
+    monkeypatch.undo()
+    assert not hasattr(model, "torch_cp")
+    assert not any(name.startswith("cp_") or "forward" in m.__dict__
+                   for m in model.modules() for name in (*m.__dict__, *m._modules))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    tokens, logits = hf_greedy(model, PROMPTS[:1])
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=0, rtol=0)
+    assert_matches(greedy(torch_cp.patch_model(model, page_size=4), PROMPTS[:1], NEW_TOKENS),
+                   ref_tokens, ref_logits, "patched after the failure")
+
+
 def test_forward_without_paged_cache_is_a_clear_error():
     model = torch_cp.patch_model(tiny_model("qwen2"))
     with pytest.raises(TypeError, match="PagedKVCache"):

@@ -228,6 +228,8 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
         refuses, keys missing from the checkpoint or not in the model, shapes that differ),
         before any weight is read; under torchrun on every rank of the mesh alike (with the
         other ranks' problems, or the settings, dtype or config that differ between ranks).
+        A rank that then fails to read or to hold its weights raises its error, and every other
+        rank one naming it (``agreement.together``).
     """
     device_problems: list[str] = []
     path, device = Path(path), _device(device, mesh, device_problems)

@@ -12,6 +12,7 @@ import logging
 from torch import nn
 
 from torch_cp import compat, gemv
+from torch_cp.agreement import together
 from torch_cp.attention.exchange import Exchange
 from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
@@ -24,7 +25,7 @@ from torch_cp.graphs.experts import (
 )
 from torch_cp.hf import model_generate
 from torch_cp.hf.forward import patched_forward, patched_linear_forward
-from torch_cp.hf.validate import PatchSettings, validate_patch
+from torch_cp.hf.validate import PatchSettings, mesh_spans_world, validate_patch
 from torch_cp.layers import attention_modules, decoder_mlps, linear_modules
 from torch_cp.mesh import AXES, kv_head_replicas, partner_placement
 from torch_cp.placement import ContextParallel
@@ -108,32 +109,46 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
     tp_rank = mesh.get_local_rank(AXES[1]) if mesh is not None else 0
     tp_group = mesh.get_group(AXES[1]) if s.tp > 1 else None
     geometry = family.geometry(model.config, s.tp, placement)
-    attn_backend = make_backend(s.backend, geometry, s.device, s.dtype)
-    attns = attention_modules(model, family.attention_classes)
-    linears = linear_modules(model, family)
-    if s.tp > 1 and shard:
-        shard_model(model, s, mesh)
-    runtime = ModelRuntime(placement, exchange, attn_backend, geometry, len(attns), s.dtype,
-                           s.device, s.page_size, s.tp, tp_rank, tp_group, family)
-    for pool_layer, attn in enumerate(attns):  # the pool's layers: the attention layers only
-        fuse_in_projections(attn)
-        attn.cp_attention = ContextParallelAttention(pool_layer, attn_backend, exchange)
-        _replace_forward(runtime, attn, patched_forward(family, attn))
-    if linears:
-        runtime.linear = family.linear_geometry(model.config, s.tp)
-        runtime.linear_kernels = linear_kernels(attn_backend.name)
-    for state_layer, mod in enumerate(linears):
-        fuse_in_projections(mod)
-        mod.cp_state = LinearStateLayer(state_layer, runtime.linear_kernels)
-        _replace_forward(runtime, mod, patched_linear_forward(family, mod))
-    for mlp in gated_mlps(model):
-        _replace_forward(runtime, mlp, fuse_gate_up(mlp))
-    if experts_modules(model):
-        register_fused(s.device)  # so "torch_cp_fused" can be set by name
-    for linear in gemv.plain_linears(model):
-        _replace_forward(runtime, linear, gemv.forward_of(linear))
-    for router, forward in kernel_routers(model, s.device):
-        _replace_forward(runtime, router, forward)
+    made: list[ModelRuntime] = []  # the runtime, once made: what a failure below undoes
+
+    def patch() -> ModelRuntime:  # allocates (backend workspace, fused weights), no collective
+        attn_backend = make_backend(s.backend, geometry, s.device, s.dtype)
+        attns = attention_modules(model, family.attention_classes)
+        linears = linear_modules(model, family)
+        if s.tp > 1 and shard:
+            model._torch_cp_sharded = s.tp  # one-way: refused again should this call fail
+            shard_model(model, s, mesh)
+        runtime = ModelRuntime(placement, exchange, attn_backend, geometry, len(attns), s.dtype,
+                               s.device, s.page_size, s.tp, tp_rank, tp_group, family)
+        made.append(runtime)
+        for pool_layer, attn in enumerate(attns):  # the pool's layers: the attention layers only
+            fuse_in_projections(attn)
+            attn.cp_attention = ContextParallelAttention(pool_layer, attn_backend, exchange)
+            _replace_forward(runtime, attn, patched_forward(family, attn))
+        if linears:
+            runtime.linear = family.linear_geometry(model.config, s.tp)
+            runtime.linear_kernels = linear_kernels(attn_backend.name)
+        for state_layer, mod in enumerate(linears):
+            fuse_in_projections(mod)
+            mod.cp_state = LinearStateLayer(state_layer, runtime.linear_kernels)
+            _replace_forward(runtime, mod, patched_linear_forward(family, mod))
+        for mlp in gated_mlps(model):
+            _replace_forward(runtime, mlp, fuse_gate_up(mlp))
+        if experts_modules(model):
+            register_fused(s.device)  # so "torch_cp_fused" can be set by name
+        for linear in gemv.plain_linears(model):
+            _replace_forward(runtime, linear, gemv.forward_of(linear))
+        for router, forward in kernel_routers(model, s.device):
+            _replace_forward(runtime, router, forward)
+        return runtime
+
+    try:  # on every rank or on none: one rank out of memory alone left the others waiting
+        runtime = together(mesh_spans_world(mesh, s.context_parallel), s.device, "patch_model",
+                           patch)
+    except BaseException:
+        if made:
+            _restore(model, made[0])
+        raise
     model.torch_cp = runtime
     model_generate.install_generate(model)
     return model
@@ -155,16 +170,23 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if runtime.tp > 1:
         raise ValueError(f"the model was sharded over tp = {runtime.tp}: TP sharding is one-way, "
                          f"reload the model instead of unpatching it")
-    for module, original in runtime.originals:
-        del module.forward
-        if original is not _ABSENT:
-            module.forward = original
-        for name in ("cp_attention", "cp_state", "cp_in", "cp_gate_up"):
-            module.__dict__.pop(name, None)
-            if isinstance(fused := module._modules.pop(name, None), FusedLinear):
-                fused.unfuse()
+    _restore(model, runtime)
     if runtime.experts_before is not None:
         restore_experts(model, runtime.experts_before)
     model_generate.uninstall_generate(model)
     del model.torch_cp
     return model
+
+
+def _restore(model: nn.Module, runtime: ModelRuntime) -> None:
+    """Put back each forward ``runtime`` replaced, and unfuse every fused weight (a patch that
+    failed may have fused a module's before replacing its forward)."""
+    for module, original in reversed(runtime.originals):
+        del module.forward
+        if original is not _ABSENT:
+            module.forward = original
+    for module in model.modules():
+        for name in ("cp_attention", "cp_state", "cp_in", "cp_gate_up"):
+            module.__dict__.pop(name, None)
+            if isinstance(fused := module._modules.pop(name, None), FusedLinear):
+                fused.unfuse()

@@ -224,6 +224,9 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
         return None, ["the model has no config (expected a transformers model)"]
     if hasattr(model, "torch_cp"):
         problems.append("the model is already patched (call torch_cp.unpatch_model first)")
+    elif getattr(model, "_torch_cp_sharded", None):
+        problems.append(f"a patch_model that failed had cut this model's weights to one of "
+                        f"{model._torch_cp_sharded} TP ranks' shards: load the model again")
     family = None
     try:
         family = family_for(config.model_type)
