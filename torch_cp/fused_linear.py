@@ -81,9 +81,16 @@ class FusedLinear(nn.Module):
         self.linears = list(linears)  # a plain list: their parent module owns them
         if not self.fused:
             return
-        self.register_buffer("weight", _concatenate(linears, "weight"), persistent=False)
-        bias = _concatenate(linears, "bias") if linears[0].bias is not None else None
-        self.register_buffer("bias", bias, persistent=False)
+        names = ("weight", "bias") if linears[0].bias is not None else ("weight",)
+        # Every concatenation allocated before any linear is re-pointed: one out of memory
+        # then leaves the linears as they were.
+        joined = {name: _joined(linears, name) for name in names}
+        for name, (whole, copied) in joined.items():
+            if copied:
+                _rebind(linears, name, whole)
+        self.register_buffer("weight", joined["weight"][0], persistent=False)
+        self.register_buffer("bias", joined["bias"][0] if "bias" in joined else None,
+                             persistent=False)
         # Registered after the linears (its parent's last child), so it loads after them.
         self.register_load_state_dict_post_hook(_fuse_replaced)
 
@@ -145,13 +152,19 @@ def _fuse_replaced(fused: FusedLinear, incompatible_keys=None) -> None:
 def _concatenate(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:
     """One tensor of the linears' ``name`` tensors; each linear's becomes a view of its rows
     (they already are when ``torch_cp.from_pretrained`` read them into ``fused_storage``)."""
+    whole, copied = _joined(linears, name)
+    if copied:
+        _rebind(linears, name, whole)
+    return whole
+
+
+def _joined(linears: Sequence[nn.Linear], name: str) -> tuple[torch.Tensor, bool]:
+    """The linears' ``name`` tensors as one, and whether it is a copy (else their storage)."""
     parts = [getattr(m, name) for m in linears]
     whole = _consecutive(parts)
     if whole is not None:
-        return whole
-    whole = torch.cat([p.detach() for p in parts])
-    _rebind(linears, name, whole)
-    return whole
+        return whole, False
+    return torch.cat([p.detach() for p in parts]), True
 
 
 def _rebind(linears: Sequence[nn.Linear], name: str, whole: torch.Tensor) -> None:

@@ -212,6 +212,9 @@ def _refusals(rank: int) -> dict[str, str]:
     out["model.generate streamer raising on rank 0"] = _raised_any(
         model.generate, ids, max_new_tokens=NEW, do_sample=False,
         streamer=_ClosedAfter(2) if rank == 0 else None)
+    out["model.generate streamer raising on rank 0, by position"] = _raised_any(
+        model.generate, ids, None, None, None, None, None, None,  # generate's 8th: streamer
+        _ClosedAfter(2) if rank == 0 else None, max_new_tokens=NEW, do_sample=False)
     out["model.generate inputs"] = _raised(model.generate, ids + rank, max_new_tokens=NEW,
                                            do_sample=False)
     out["model.generate max_new_tokens"] = _raised(model.generate, ids, do_sample=False,
@@ -416,10 +419,10 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
     assert ranks[0]["refusals"]["agreed"] == ranks[1]["refusals"]["agreed"] == \
         ranks[0]["refusals"]["model.generate streamer on rank 0"]
     assert len(ranks[0]["refusals"]["agreed"]) == 3 + NEW
-    assert ranks[0]["refusals"]["model.generate streamer raising on rank 0"] == (
-        "BrokenPipeError: [Errno 32] Broken pipe (in this test)")
-    assert ranks[1]["refusals"]["model.generate streamer raising on rank 0"] == str(
-        ranks[0]["refusals"]["agreed"])
+    for key in ("model.generate streamer raising on rank 0",
+                "model.generate streamer raising on rank 0, by position"):
+        assert ranks[0]["refusals"][key] == "BrokenPipeError: [Errno 32] Broken pipe (in this test)"
+        assert ranks[1]["refusals"][key] == str(ranks[0]["refusals"]["agreed"])
 
 
 @pytest.mark.parametrize("mode", list(MESHES))

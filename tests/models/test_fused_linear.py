@@ -66,6 +66,24 @@ def unfusable_cases():
             "one": linears(False)[:1]}
 
 
+def test_out_of_memory_joining_the_biases_leaves_the_linears_as_they_were(monkeypatch):
+    """The weights were re-pointed into their fused copy before the biases' concatenation ran
+    out of memory: the linears were left sharing a storage, with no fused module to undo."""
+    mods = linears(bias=True)
+    before = [(m.weight, m.bias) for m in mods]
+    joined = fused_linear._joined
+
+    def failing(group, name):
+        if name == "bias":
+            raise torch.OutOfMemoryError("CUDA out of memory (in this test)")
+        return joined(group, name)
+    monkeypatch.setattr(fused_linear, "_joined", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        FusedLinear(mods)
+    assert all(m.weight is w and m.bias is b for m, (w, b) in zip(mods, before))  # untouched
+    assert len({m.weight.untyped_storage().data_ptr() for m in mods}) == len(mods)
+
+
 @pytest.mark.parametrize("case", list(unfusable_cases()))
 def test_linears_that_cannot_share_a_weight_run_one_by_one(case):
     mods = unfusable_cases()[case]

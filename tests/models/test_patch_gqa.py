@@ -170,7 +170,8 @@ def test_patch_twice_raises_and_unpatch_restores():
 @pytest.mark.parametrize("failing", ["fuse_gate_up", "kernel_routers"])
 def test_a_patch_that_fails_partway_leaves_the_model_as_it_was(monkeypatch, failing):
     """Out of memory while fusing the MLPs' weights (the third-to-last part of patching), or
-    at the very end: every forward and fused weight is put back, bit for bit, and the model
+    at the very end: every forward and fused weight is put back (the values bit for bit; the
+    fused linears' parameters are new objects, as after ``unpatch_model``), and the model
     patches again (before, it was left half patched and refused or misbehaved)."""
     model = tiny_model("qwen3_moe" if failing == "kernel_routers" else "qwen3")
     ref_tokens, ref_logits = hf_greedy(model, PROMPTS[:1])

@@ -184,20 +184,26 @@ def _agreed_generate(self, *args, **kwargs):
         for name, value in
         (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
          ).items() if name not in SHOWN_ONLY}))
-    if kwargs.get("streamer") is None or not across_ranks(runtime.spans_ranks):
+    try:
+        bound = inspect.signature(generate).bind(self, *args, **kwargs)
+    except TypeError:
+        bound = None  # generate raises it, alike on every rank
+    if (bound is None or bound.arguments.get("streamer") is None
+            or not across_ranks(runtime.spans_ranks)):
         return generate(self, *args, **kwargs)
-    streamer = kwargs["streamer"] = _StreamerAfterSteps(kwargs["streamer"])
-    out = generate(self, *args, **kwargs)
+    streamer = bound.arguments["streamer"] = _StreamerAfterSteps(bound.arguments["streamer"])
+    out = generate(*bound.args, **bound.kwargs)
     if streamer.error is not None:
         raise streamer.error
     return out
 
 
 class _StreamerAfterSteps:
-    """A streamer given on some ranks only (``SHOWN_ONLY``), under torchrun: an error it
-    raised inside a step (a closed pipe) left the other ranks in that step's collective, for
-    ever. Its first error is kept, the streamer not called again, and the error raised once
-    ``generate`` returns (the other ranks return their tokens)."""
+    """A streamer under torchrun (often on rank 0 alone: ``SHOWN_ONLY``): an error it raised
+    inside a step (a closed pipe) left the other ranks in that step's collective, for ever.
+    Its first error is kept, the streamer not called again, and the error raised once
+    ``generate`` returns (on its rank; the others return their tokens). A streamer cannot
+    stop generation early by raising: use a stopping criterion, on every rank."""
 
     def __init__(self, streamer):
         self.streamer = streamer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from torch_cp import compat, gemv
@@ -88,7 +89,10 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
         ValueError naming every problem, before anything is allocated or modified; also when
         the model is already patched. Under torchrun every rank of the mesh raises it alike,
         naming another rank's problems, or the settings, model dtype or config that differ
-        between ranks (every rank patches the same model alike).
+        between ranks (every rank patches the same model alike). An error while patching (out
+        of memory) puts back every forward and fused weight, and under torchrun is raised on
+        every rank (``agreement.together``); a model whose weights were already cut to TP
+        shards then cannot be patched again (load it again).
     """
     s = validate_patch(model, context_parallel=context_parallel, mesh=mesh, mode=mode,
                        backend=backend, page_size=page_size)
@@ -147,7 +151,7 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
                            patch)
     except BaseException:
         if made:
-            _restore(model, made[0])
+            _restore(model, made.pop(), failed=True)  # popped: the backend's workspace freed
         raise
     model.torch_cp = runtime
     model_generate.install_generate(model)
@@ -178,15 +182,23 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _restore(model: nn.Module, runtime: ModelRuntime) -> None:
+def _restore(model: nn.Module, runtime: ModelRuntime, failed: bool = False) -> None:
     """Put back each forward ``runtime`` replaced, and unfuse every fused weight (a patch that
-    failed may have fused a module's before replacing its forward)."""
+    ``failed`` may have fused a module's before replacing its forward; out of memory then, the
+    linears unfusing would copy stay views of their fused weight, their values alike)."""
     for module, original in reversed(runtime.originals):
         del module.forward
         if original is not _ABSENT:
             module.forward = original
+    fused_groups = []
     for module in model.modules():
         for name in ("cp_attention", "cp_state", "cp_in", "cp_gate_up"):
             module.__dict__.pop(name, None)
             if isinstance(fused := module._modules.pop(name, None), FusedLinear):
-                fused.unfuse()
+                fused_groups.append(fused)
+    for fused in fused_groups:
+        try:
+            fused.unfuse()
+        except torch.OutOfMemoryError:
+            if not failed:
+                raise
