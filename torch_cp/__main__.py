@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from torch_cp.agreement import OtherRankFailed
 from torch_cp.cli_args import UsageError, argument_problems, parse_args
 from torch_cp.engine import SamplingParams
 from torch_cp.engine.generation import engine_for, never_fit_hints
@@ -208,12 +209,13 @@ def one_line(error: Exception) -> str:
 
 
 def cli(argv=None) -> None:
-    """The console script and ``python -m torch_cp``. A configuration problem (ValueError) is one
-    line on rank 0, not a traceback; every rank exits with its code (2 for a usage error, else
-    1). Any other exception is a bug and keeps its traceback."""
+    """The console script and ``python -m torch_cp``. A configuration problem (ValueError; out
+    of device memory; under torchrun, a load that failed on another rank) is one line on rank
+    0, not a traceback; every rank exits with its code (2 for a usage error, else 1). Any other
+    exception is a bug and keeps its traceback."""
     try:
         code = main(argv)
-    except ValueError as error:
+    except (ValueError, torch.OutOfMemoryError, OtherRankFailed) as error:
         if _rank() == 0:
             print(f"torch_cp: error: {one_line(error)}", file=sys.stderr)
         code = 2 if isinstance(error, UsageError) else 1

@@ -110,14 +110,18 @@ def agree_over(spans: bool, device, call: str, problems: list[str],
                          f"rank must pass the same arguments")
 
 
+class OtherRankFailed(RuntimeError):
+    """``together``'s work failed on another rank (named, with its error), not on this one."""
+
+
 def together(spans: bool, device, call: str, work: Callable[[], T]) -> T:
     """``work()`` (an allocation, with no collective in it) on every rank of the world where
     ``spans``, raising on every rank where it raised on any: a pool that runs out of memory on
     one rank only (the ranks' free memory differs) left the others waiting in the next step's
     collective, for ever. One gather of each rank's outcome; elsewhere ``work()`` alone. The
     failing ranks raise their own error (a KeyboardInterrupt too); the others drop what they
-    made and raise a ``torch.OutOfMemoryError`` (when every failure was one) or a
-    RuntimeError naming each failing rank and its error."""
+    made and raise a ``torch.OutOfMemoryError`` (when every failure was one) or an
+    ``OtherRankFailed`` naming each failing rank and its error."""
     if not across_ranks(spans):
         return work()
     try:
@@ -137,7 +141,7 @@ def together(spans: bool, device, call: str, work: Callable[[], T]) -> T:
     del result  # a pool kept alive by this frame, which the exception's traceback holds
     named = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in failed.items())
     oom = all(kind == torch.OutOfMemoryError.__name__ for kind, _ in failed.values())
-    raise (torch.OutOfMemoryError if oom else RuntimeError)(
+    raise (torch.OutOfMemoryError if oom else OtherRankFailed)(
         f"{call} failed on {'rank' if len(failed) == 1 else 'ranks'} "
         f"{', '.join(map(str, failed))}, so it stops on every rank ({named})")
 

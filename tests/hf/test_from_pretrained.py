@@ -256,5 +256,5 @@ def test_ranks_that_load_differently_all_refuse(ranks):
     own = "OSError: [Errno 5] Input/output error (rank 1 alone, in this test)"
     assert ranks(2)[1]["refusals"]["read fails"] == own
     assert ranks(2)[0]["refusals"]["read fails"] == (
-        f"RuntimeError: from_pretrained failed on rank 1, so it stops on every rank (rank 1: "
+        f"OtherRankFailed: from_pretrained failed on rank 1, so it stops on every rank (rank 1: "
         f"{own})")

@@ -248,6 +248,31 @@ def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, rank, printed):
             "not exist\n") if printed else err == ""
 
 
+@pytest.mark.parametrize("error", ["out of memory", "another rank failed"])
+def test_the_weights_out_of_memory_or_failing_on_another_rank_is_one_line(monkeypatch, capsys,
+                                                                          tmp_path, error):
+    """Loading out of device memory, or (under torchrun) a load that failed on another rank
+    (``agreement.together``): what the user must change, not a bug's traceback."""
+    import torch
+
+    from torch_cp.agreement import OtherRankFailed
+
+    raised = (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+              if error == "out of memory" else OtherRankFailed(
+                  "from_pretrained failed on rank 1, so it stops on every rank (rank 1: OSError: "
+                  "[Errno 5] Input/output error)"))
+
+    def load(*args, **kwargs):
+        raise raised
+    monkeypatch.setattr("torch_cp.hf.load._load", load)
+    tiny_qwen3().save_pretrained(tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--model", str(tmp_path), "--no-progress"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == f"torch_cp: error: {raised}\n"
+
+
 def test_every_ranks_list_of_problems_reads_as_one_line():
     from torch_cp.__main__ import one_line
 
