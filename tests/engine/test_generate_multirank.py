@@ -215,6 +215,9 @@ def _refusals(rank: int) -> dict[str, str]:
     out["model.generate streamer raising on rank 0, by position"] = _raised_any(
         model.generate, ids, None, None, None, None, None, None,  # generate's 8th: streamer
         _ClosedAfter(2) if rank == 0 else None, max_new_tokens=NEW, do_sample=False)
+    # new_cache raised alone on the rank given a bad size; ranks sized alike each other.
+    out["new_cache max_length"] = _raised(torch_cp.new_cache, model, 1, 16 + rank)
+    out["new_cache batch_size bad"] = _raised(torch_cp.new_cache, model, 0 if rank else 1, 16)
     out["model.generate inputs"] = _raised(model.generate, ids + rank, max_new_tokens=NEW,
                                            do_sample=False)
     out["model.generate max_new_tokens"] = _raised(model.generate, ids, do_sample=False,
@@ -372,8 +375,8 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
     gloo (another dtype) or gave wrong tokens; an Engine of other max_rows or prefix_caching
     hung or died; model.generate of other inputs gave the same wrong tokens on both, silently,
     and of other lengths died; a problem on rank 1 alone (a bad page size or max_rows, a pool
-    its free memory cannot hold, a model cast after patching) left rank 0 in its next
-    collective."""
+    its free memory cannot hold, a model cast after patching, a bad new_cache size) left rank 0
+    in its next collective."""
     for rank, per_mode in enumerate(ranks):
         got = per_mode["refusals"]
         for key, call, named in [
@@ -381,6 +384,7 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                 ("patch dtype", "patch_model", "dtype"),
                 ("patch config", "patch_model", "config"),
                 ("Engine max_rows", "Engine(...)", "max_rows"),
+                ("new_cache max_length", "new_cache", "max_length"),
                 ("model.generate inputs", "model.generate", "inputs"),
                 ("model.generate max_new_tokens", "model.generate", "max_new_tokens"),
                 ("model.generate stopping_criteria", "model.generate", "stopping_criteria"),
@@ -407,7 +411,8 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                 ("generate eos float", "eos_token_id must be an int or a list of ints, got "
                                        "1.5"),
                 ("Engine cast", "invalid engine: " + CAST),
-                ("generate cast", CAST), ("model.generate cast", CAST)]:
+                ("generate cast", CAST), ("model.generate cast", CAST),
+                ("new_cache batch_size bad", "batch_size must be a positive int, got 0")]:
             assert got[key].startswith("rank 1: " + problem if rank == 0 else problem), (
                 f"rank {rank}: {key}: {got[key]}")
         assert got["Engine pool does not fit"].endswith("the free memory holds at most 0 pages")

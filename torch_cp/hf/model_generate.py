@@ -35,10 +35,10 @@ import types
 import torch
 
 from torch_cp import compat
-from torch_cp.agreement import across_ranks, agree, described, fingerprint, together
+from torch_cp.agreement import across_ranks, agree, agree_over, described, fingerprint, together
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.hf.generate_cache import GenerateCache
-from torch_cp.runtime import new_state_pool, runtime_and_problems, runtime_to_run
+from torch_cp.runtime import new_state_pool, runtime_and_problems
 from torch_cp.values import positive_int
 
 # model.generate's arguments that only show what it makes, compared on no rank: the usual
@@ -48,8 +48,8 @@ NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
                         "output_attentions=True needs the unpatched model (unpatch_model)")
 
 
-def new_cache(model, batch_size: int, max_length: int, page_size: int | None = None
-              ) -> GenerateCache:
+def new_cache(model, batch_size: int, max_length: int, page_size: int | None = None, *,
+              _agreed: bool = False) -> GenerateCache:
     """A cache for ``model.generate(..., cache=...)`` on a patched model.
 
     Args:
@@ -59,15 +59,20 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
             starts at, not a cap: a call that needs more (a conversation's next turn, given
             this cache back) grows the pool, keeping what it holds.
         page_size: tokens per page (default: the one given to ``patch_model``).
+    Raises:
+        ValueError naming every problem; under torchrun on every rank alike, with another
+        rank's problems or the arguments that differ (``model.generate``, whose own gather
+        covered them, passes ``_agreed``).
     """
-    runtime = runtime_to_run(model)
+    runtime, problems = runtime_and_problems(model)
     size = runtime.page_size if page_size is None else page_size
     rows, length = positive_int(batch_size), positive_int(max_length)
-    problems = [f"{name} must be a positive int, got {v!r}" for name, v, n in
-                (("batch_size", batch_size, rows), ("max_length", max_length, length)) if n is None]
+    problems += [f"{name} must be a positive int, got {v!r}" for name, v, n in
+                 (("batch_size", batch_size, rows), ("max_length", max_length, length))
+                 if n is None]
     problems += runtime.placement.page_size_problems(size)
-    if problems:
-        raise ValueError("; ".join(problems))
+    agree_over(runtime.spans_ranks and not _agreed, runtime.device, "new_cache", problems,
+               lambda: fingerprint(batch_size=batch_size, max_length=max_length, page_size=size))
     batch_size, max_length = rows, length
     pages = batch_size * -(-max_length // size)
     install_generate(model)
@@ -140,7 +145,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                          f"supported by a torch_cp-patched model; leave it unset")
-    model_kwargs["cache"] = new_cache(self, rows, max_cache_length)
+    model_kwargs["cache"] = new_cache(self, rows, max_cache_length, _agreed=True)
 
 
 _REPLACED = ("generate", compat.PREPARE_CACHE)  # instance attributes install_generate sets
