@@ -228,13 +228,13 @@ def test_a_huge_max_new_tokens_gets_its_error_without_sizing_the_pool(model, mon
 
 
 def test_the_default_pool_is_capped_by_free_host_memory(model, monkeypatch):
-    """With 256 KiB free, the pool takes half of it; a request longer than that can never fit,
-    one that fits waits for pages."""
+    """With 256 KiB free, the pool takes half of it, its sink page included; a request longer
+    than that can never fit, one that fits waits for pages."""
     from torch_cp.engine import memory
 
     monkeypatch.setattr(memory, "free_host_bytes", lambda: 2**18)
     per_page = memory.pool_bytes_per_page(model.torch_cp, 16)
-    cap = 2**17 // per_page
+    cap = 2**17 // per_page - 1
     long = [1] * (cap * 16 - 5)
     results = torch_cp.generate(model, [[5, 6], long, [7] * (cap * 16 + 1)], 4, progress=False)
     assert [r.ok for r in results] == [True, True, False]
@@ -243,7 +243,8 @@ def test_the_default_pool_is_capped_by_free_host_memory(model, monkeypatch):
 
 def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch):
     """The cap is half the free host memory less the state pool the engine allocates beside the
-    KV pool (running requests' slots and, with prefix caching, as many checkpoints)."""
+    KV pool (running requests' slots and, with prefix caching, as many checkpoints), less the
+    KV pool's sink page."""
     from torch_cp.engine import memory
     from torch_cp.tiny import tiny_qwen3_5
 
@@ -252,7 +253,7 @@ def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch
     state = engine_module.state_pool_bytes(runtime, prefix_caching=True)
     assert state == Engine(hybrid, num_pages=1, prefix_caching=True).state_bytes
     per_page = memory.pool_bytes_per_page(runtime, 16)
-    free = 2 * (state + 10 * per_page)
+    free = 2 * (state + 11 * per_page)  # 10 pages and the sink page
     monkeypatch.setattr(memory, "free_host_bytes", lambda: free)
     results = torch_cp.generate(hybrid, [[5] * (10 * 16), [5] * (10 * 16 + 1)], 1,
                                 prefix_caching=True, progress=False)

@@ -172,7 +172,8 @@ def memory_cap_pages(runtime, page_size: int, reserved_bytes: int = 0) -> int | 
     share = DEVICE_MEMORY_SHARE if torch.device(runtime.device).type == "cuda" else \
         HOST_MEMORY_SHARE
     budget = int(share * free) - reserved_bytes
-    return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size)), runtime)
+    # logical pages: the pool allocates its sink page beside them
+    return _agreed(max(1, budget // pool_bytes_per_page(runtime, page_size) - 1), runtime)
 
 
 def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: int = 0,
