@@ -96,7 +96,7 @@ def test_flashinfer_on_a_hybrid_needs_flash_linear_attention():
     problems = problems_of(tiny_model("qwen3_next"), backend="flashinfer")
     assert ("backend 'flashinfer' runs a hybrid model's linear-attention layers with "
             "flash-linear-attention's kernels, which are not installed: pip install "
-            "flash-linear-attention (or backend='torch')") in problems
+            "fla-core==0.6.0 (torch_cp's gpu extra), or backend='torch'") in problems
 
 
 @pytest.mark.skipif(fla_available(), reason="flash-linear-attention is installed here")

@@ -66,7 +66,8 @@ def shard_model(model: nn.Module, s: PatchSettings, mesh) -> None:
 
 def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mode: str = "auto",
                 backend: str = "torch", page_size: int = 16) -> nn.Module:
-    """Patch a Hugging Face Qwen/GLM model in place to attend over a placed paged KV pool.
+    """Patch a Hugging Face Qwen, GLM or DeepSeek-V3 model in place to attend over a placed
+    paged KV pool.
 
     Args:
         model: a transformers model of a supported ``config.model_type`` (see

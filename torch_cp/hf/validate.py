@@ -117,7 +117,7 @@ def hybrid_backend_problems(name: str, family: Family | None) -> list[str]:
     if name == "flashinfer" and hasattr(family, "linear_classes") and not fla_available():
         return ["backend 'flashinfer' runs a hybrid model's linear-attention layers with "
                 "flash-linear-attention's kernels, which are not installed: pip install "
-                "flash-linear-attention (or backend='torch')"]
+                "fla-core==0.6.0 (torch_cp's gpu extra), or backend='torch'"]
     return []
 
 
