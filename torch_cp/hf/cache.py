@@ -9,6 +9,8 @@ which the patched attention ignores.
 
 from __future__ import annotations
 
+import copy
+
 from transformers.cache_utils import Cache
 
 from torch_cp.agreement import together
@@ -43,6 +45,18 @@ class PagedKVCache(Cache):
         self.pool = pool
         self.state = state
         self.plan: StepPlan | None = None
+
+    def __deepcopy__(self, memo):
+        """A copy holding its own pool and state pool (a prompt's cache reused for several
+        continuations, a conversation branched), for the same model: its runtime (placement,
+        process groups, attention backend) is shared, not copied."""
+        memo.setdefault(id(self.runtime), self.runtime)
+        memo.setdefault(id(self.runtime.placement), self.runtime.placement)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
 
     @classmethod
     def for_model(cls, model, num_pages: int, page_size: int | None = None,

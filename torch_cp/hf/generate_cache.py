@@ -60,8 +60,9 @@ class GenerateCache(PagedKVCache):
             # counted only this call's input (its input_ids the new tokens alone): at least double
             self._grow(max(2 * self.allocator.num_pages,
                            self.allocator.num_pages + missing - self.allocator.free_pages))
-        for r in rows:
-            assert self.allocator.reserve(r, self.row_lens[r] + q_lens[r]), "grown to fit"
+        with torch.inference_mode(False):  # the tables' tensors: see ``_grow``
+            for r in rows:
+                assert self.allocator.reserve(r, self.row_lens[r] + q_lens[r]), "grown to fit"
         # Tokens of a row are consecutive in the flattened input, so rows stay in order.
         token_index = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
         plan = build_step_plan(
@@ -108,12 +109,15 @@ class GenerateCache(PagedKVCache):
         if pages <= self.allocator.num_pages:
             return
         old = self.pool
-        # On every rank or on none: a rank out of memory alone left the others in a collective.
-        pool = together(self.runtime.spans_ranks, self.runtime.device,
-                        f"growing the generate cache to {pages} pages",
-                        lambda: self.runtime.new_pool(pages, old.page_size))
-        for grown, held in zip(pool.tensors, old.tensors):
-            grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages (no sink)
+        # Never inference tensors (made under torch.inference_mode, a next turn outside it
+        # could not write them); on every rank or on none (a rank out of memory alone left the
+        # others in a collective).
+        with torch.inference_mode(False):
+            pool = together(self.runtime.spans_ranks, self.runtime.device,
+                            f"growing the generate cache to {pages} pages",
+                            lambda: self.runtime.new_pool(pages, old.page_size))
+            for grown, held in zip(pool.tensors, old.tensors):
+                grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages, no sink
         log.info("the generate cache grows from %d to %d pages", old.num_pages, pages)
         self.pool = pool  # before the allocator: its pages never outnumber the pool's
         self.allocator.grow(pages)

@@ -16,8 +16,11 @@ from generate's own batch size and ``max_length`` (``new_cache`` sizes it explic
 given back for a conversation's next turn (the last call's ``cache`` / ``past_key_values``, with
 the whole conversation or only its new tokens as ``input_ids``, and the whole conversation's
 mask) grows as the call needs; a mask that zeros a column the cache holds as real is refused
-(the pool attends every cached token).
-Beam search is not supported (a paged cache does not reorder rows).
+(the pool attends every cached token). As with transformers' caches, a prompt's cache can be
+filled by a plain forward (``model(ids, cache=cache)``) and generated from, ``copy.deepcopy``
+gives a cache its own pool (one prompt, several continuations), and ``inputs_embeds`` may
+stand for the prompt's ids. Beam search is not supported (a paged cache does not reorder
+rows).
 
 Under torchrun every rank calls ``generate`` with the same inputs (checked first: one gather of
 the arguments' digest, and a ValueError on every rank naming those that differ), and each rank's
@@ -76,15 +79,18 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     batch_size, max_length = rows, length
     pages = batch_size * -(-max_length // size)
     install_generate(model)
-    pool, state = together(runtime.spans_ranks, runtime.device, "allocating the generate cache",
-                           lambda: (runtime.new_pool(pages, size),
-                                    new_state_pool(runtime, batch_size)))
+    with torch.inference_mode(False):  # a cache made under inference_mode serves a turn outside
+        pool, state = together(runtime.spans_ranks, runtime.device,
+                               "allocating the generate cache",
+                               lambda: (runtime.new_pool(pages, size),
+                                        new_state_pool(runtime, batch_size)))
     return GenerateCache(runtime, pool, batch_size, state)
 
 
 def _plan_before_forward(module, args, kwargs):
-    """Forward pre-hook: plan the step of a ``GenerateCache`` and drop the attention mask; for a
-    plain ``PagedKVCache``, give the plan's positions when the call gives none."""
+    """Forward pre-hook: plan the step of a ``GenerateCache`` and drop the attention mask; give
+    the plan's positions when the call gives none (``generate`` gives them; a forward called
+    directly, filling a cache with a prompt, does not)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if kwargs.get("output_attentions") and isinstance(cache, PagedKVCache):
         raise ValueError(NO_ATTENTION_WEIGHTS)
@@ -96,11 +102,16 @@ def _plan_before_forward(module, args, kwargs):
     names = ("input_ids", "attention_mask")
     kwargs.update({name: value for name, value in zip(names, args)})
     args = args[len(names):]
-    if kwargs.get("input_ids") is None:
-        raise ValueError("a torch_cp-patched model generates from input_ids, not inputs_embeds")
-    cache.prepare(kwargs["input_ids"], kwargs.get("attention_mask"))
+    ids = kwargs.get("input_ids")
+    if ids is None and kwargs.get("inputs_embeds") is not None:
+        ids = kwargs["inputs_embeds"][..., 0]  # [B, S]: the plan needs only the shape
+    if ids is None:
+        raise ValueError("a forward given a torch_cp cache needs input_ids or inputs_embeds")
+    cache.prepare(ids, kwargs.get("attention_mask"))
     kwargs["attention_mask"] = None
-    return args, kwargs
+    # transformers would count a direct call's positions from get_seq_length (the columns
+    # already planned, this call's included): the plan's are each row's own
+    return _with_plan_positions(cache.plan, args, kwargs) or (args, kwargs)
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,

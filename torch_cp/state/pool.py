@@ -12,6 +12,7 @@ included) are never read.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,16 @@ class StatePool:
                                      dtype=torch.float32, device=device)
         self.step = None  # the step plan of the forward about to run (begin_step)
         self.handle = register_pool(self)
+
+    def __deepcopy__(self, memo):
+        """A copy with its own tensors, known to the ops by its own handle (a copied handle
+        would run the copy's layers on the original's step)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.conv, new.recurrent = self.conv.clone(), self.recurrent.clone()
+        new.step = None
+        new.handle = register_pool(new)
+        return new
 
     def begin_step(self, plan) -> None:
         """Make ``plan`` (a ``StepPlan`` with ``state_slots``) the step the state ops run: they
