@@ -170,3 +170,16 @@ def test_the_workspace_grows_with_the_gqa_group_only_where_it_must():
                             scale=128 ** -0.5, context_q_heads=48)
     assert workspace_bytes(glm, sms=132) == 48 * 132 * 128 * 129 * 4 > 48 * 132 * 64 * 128 * 4
     assert workspace_bytes(MLA, sms=132) == WORKSPACE_BYTES
+
+
+def test_a_staged_buffer_is_never_an_inference_tensor():
+    """Made during a step under ``torch.inference_mode`` (every engine step), a staged buffer was
+    an inference tensor, which a later step of the same shape outside it (a ``model.generate``
+    turn) could not copy into (helper 93)."""
+    from torch_cp.attention.flashinfer_common import staged
+
+    with torch.inference_mode():
+        buffer = staged(None, torch.arange(4))
+    assert not buffer.is_inference()
+    assert staged(buffer, torch.arange(4) + 1) is buffer
+    assert buffer.tolist() == [1, 2, 3, 4]

@@ -64,12 +64,51 @@ def test_a_prompt_cache_filled_by_a_forward_and_copied_for_each_continuation(pai
     cache = torch_cp.new_cache(model, 1, len(PREFIX))
     with torch.no_grad():
         model(torch.tensor([PREFIX]), cache=cache)
+    held = _tensors(cache)
+    before = [t.clone() for t in held]
+    free = cache.allocator.free_pages
     for suffix, want in zip(SUFFIXES, scratch):
         copied = copy.deepcopy(cache)
-        assert copied.runtime is cache.runtime and copied.pool is not cache.pool
+        assert copied.runtime is cache.runtime
+        assert not {t.untyped_storage().data_ptr() for t in _tensors(copied)} & {
+            t.untyped_storage().data_ptr() for t in held}
         _assert_same(_generate(model, torch.tensor([PREFIX + suffix]), cache=copied), want)
-    assert cache.row_lens == [len(PREFIX)]
+    assert all(torch.equal(t, b) for t, b in zip(held, before))  # bitwise: copies wrote their own
+    assert (cache.row_lens, cache.allocator.free_pages) == ([len(PREFIX)], free)
     _assert_same(_generate(model, torch.tensor([PREFIX + SUFFIXES[1]]), cache=cache), scratch[1])
+
+
+def _tensors(cache) -> list[torch.Tensor]:
+    """A cache's pool and state pool tensors."""
+    return list(cache.pool.tensors) + (cache.state.tensors if cache.state is not None else [])
+
+
+def test_a_copy_shares_the_model_with_its_cache_only(pair):
+    """The runtime is shared with the copied cache, not handed to a model copied beside it:
+    that copy is refused, as the model alone is."""
+    _, model = pair
+    cache = torch_cp.new_cache(model, 1, 8)
+    with pytest.raises(ValueError, match="cannot be deep-copied"):
+        copy.deepcopy([cache, model])
+
+
+def test_forwards_in_chunks_of_a_left_padded_batch_take_each_rows_positions(pair):
+    """Direct forwards of 4 columns at a time: the second row's first chunk is its padding
+    alone, its third chunk too, after real tokens; each real token's logits are those of its
+    row run alone, unpadded, by the unpatched model (the positions counted from the columns
+    were off by a chunk)."""
+    ref, model = pair
+    rows = [PREFIX[:16], [0] * 4 + PREFIX[16:19] + [0] * 5 + PREFIX[19:23]]
+    mask = torch.tensor([[1] * 16, [0] * 4 + [1] * 3 + [0] * 5 + [1] * 4])
+    ids = torch.tensor(rows)
+    cache = torch_cp.new_cache(model, 2, 16)
+    with torch.no_grad():
+        got = torch.cat([model(ids[:, s:s + 4], attention_mask=mask[:, :s + 4], cache=cache).logits
+                         for s in range(0, 16, 4)], 1)
+        for r, row in enumerate(rows):
+            real = [t for t, m in zip(row, mask[r].tolist()) if m]
+            want = ref(torch.tensor([real])).logits[0]
+            torch.testing.assert_close(got[r][mask[r].bool()], want, **TOL)
 
 
 def test_a_conversation_branched_by_copying_its_cache(pair):
@@ -94,12 +133,31 @@ def test_generate_from_inputs_embeds(pair):
     _assert_same(got, _generate(ref, None, inputs_embeds=embeds, attention_mask=mask))
 
 
-def test_a_cache_made_under_inference_mode_serves_a_turn_outside_it(pair):
+@pytest.mark.parametrize("made", ["by generate", "grown", "copied"])
+def test_a_cache_made_under_inference_mode_serves_a_turn_outside_it(pair, made):
     """Its pool, state pool and page tables were inference tensors, which the next turn,
-    outside ``torch.inference_mode``, could not write (transformers' own cache can)."""
+    outside ``torch.inference_mode``, could not write (transformers' own cache can): the cache
+    generate makes, one grown by the first turn, a copy."""
     ref, model = pair
+    small = torch_cp.new_cache(model, 1, 4) if made == "grown" else None
     with torch.inference_mode():
         first = model.generate(torch.tensor([PREFIX]), max_new_tokens=4, do_sample=False,
-                               return_dict_in_generate=True)
+                               return_dict_in_generate=True, cache=small)
+        cache = first.past_key_values
+        if made == "copied":
+            cache = copy.deepcopy(cache)
     whole = torch.cat([first.sequences, torch.tensor([SUFFIXES[1]])], 1)
-    _assert_same(_generate(model, whole, cache=first.past_key_values), _generate(ref, whole))
+    _assert_same(_generate(model, whole, cache=cache), _generate(ref, whole))
+
+
+def test_a_direct_forward_takes_its_arguments_by_position(pair):
+    """``model(ids, mask, position_ids, cache=...)``: the hook named only the first two, and the
+    call failed with two values for ``input_ids``."""
+    ref, model = pair
+    ids = torch.tensor([PREFIX[:9]])
+    mask, positions = torch.ones_like(ids), torch.arange(9)[None]
+    cache = torch_cp.new_cache(model, 1, 9)
+    with torch.no_grad():
+        got = model(ids, mask, positions, cache=cache).logits
+        want = ref(ids, mask, positions).logits
+    torch.testing.assert_close(got, want, **TOL)

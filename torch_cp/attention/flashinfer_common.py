@@ -63,10 +63,13 @@ def staged(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     """``value``, copied in place into ``current`` when the shapes match (kernels captured in a
     CUDA graph keep reading the tensor they were captured with), else into a tensor of its own:
     never ``value`` itself, which may be a plan's, changed in place by the next step's staging
-    while whoever holds that plan still reads it."""
+    while whoever holds that plan still reads it. Never an inference tensor: a step under
+    ``torch.inference_mode`` (the engine's) would leave one that a later step outside it (a
+    ``model.generate`` turn) could not copy into."""
     if current is not None and current.shape == value.shape and current.device == value.device:
         return current.copy_(value)
-    return value.clone()
+    with torch.inference_mode(False):
+        return value.clone()
 
 
 def with_token_padding_row(plan: StepPlan) -> tuple[torch.Tensor, PagedIndptrs]:

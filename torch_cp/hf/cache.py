@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from transformers.cache_utils import Cache
 
 from torch_cp.agreement import together
@@ -49,13 +50,21 @@ class PagedKVCache(Cache):
     def __deepcopy__(self, memo):
         """A copy holding its own pool and state pool (a prompt's cache reused for several
         continuations, a conversation branched), for the same model: its runtime (placement,
-        process groups, attention backend) is shared, not copied."""
-        memo.setdefault(id(self.runtime), self.runtime)
-        memo.setdefault(id(self.runtime.placement), self.runtime.placement)
+        process groups, attention backend) is shared, not copied. Never inference tensors (a
+        copy made under ``torch.inference_mode`` serves a turn outside it)."""
+        shared = {id(self.runtime): self.runtime, id(self.runtime.placement):
+                  self.runtime.placement}
+        added = [key for key in shared if key not in memo]
+        memo.update({key: shared[key] for key in added})
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        for name, value in self.__dict__.items():
-            setattr(new, name, copy.deepcopy(value, memo))
+        try:
+            with torch.inference_mode(False):
+                for name, value in self.__dict__.items():
+                    setattr(new, name, copy.deepcopy(value, memo))
+        finally:  # shared for this copy only: a model copied beside it is still refused
+            for key in added:
+                del memo[key]
         return new
 
     @classmethod

@@ -98,9 +98,11 @@ def _plan_before_forward(module, args, kwargs):
         return _with_plan_positions(cache.plan, args, kwargs)
     if not isinstance(cache, GenerateCache):
         return None
-    # generate() passes keywords; a direct call may pass (input_ids, attention_mask) positionally.
-    names = ("input_ids", "attention_mask")
-    kwargs.update({name: value for name, value in zip(names, args)})
+    # generate() passes keywords; a direct call may pass (input_ids, attention_mask,
+    # position_ids, ...) positionally: named by the forward's signature
+    names = [name for name, p in inspect.signature(module.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
+    kwargs.update(zip(names, args))
     args = args[len(names):]
     ids = kwargs.get("input_ids")
     if ids is None and kwargs.get("inputs_embeds") is not None:

@@ -112,7 +112,8 @@ class StatePool:
         would run the copy's layers on the original's step)."""
         new = copy.copy(self)
         memo[id(self)] = new
-        new.conv, new.recurrent = self.conv.clone(), self.recurrent.clone()
+        with torch.inference_mode(False):  # a copy made under inference_mode serves outside it
+            new.conv, new.recurrent = self.conv.clone(), self.recurrent.clone()
         new.step = None
         new.handle = register_pool(new)
         return new
