@@ -128,9 +128,8 @@ def together(spans: bool, device, call: str, work: Callable[[], T]) -> T:
         result = work()
     except BaseException as error:  # gathered, then raised as it came (no frame keeps it)
         mine = (type(error).__name__, str(error))
-        others = [f"rank {rank}: {kind}: {message}" for rank, outcome in
-                  enumerate(_gathered(device, mine)) if outcome not in (None, mine)
-                  for kind, message in [outcome]]
+        others = [_said(rank, outcome) for rank, outcome in
+                  enumerate(_gathered(device, mine)) if outcome not in (None, mine)]
         if others and hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(f"{call} failed on other ranks too: {'; '.join(others)}")
         raise
@@ -139,11 +138,17 @@ def together(spans: bool, device, call: str, work: Callable[[], T]) -> T:
     if not failed:
         return result
     del result  # a pool kept alive by this frame, which the exception's traceback holds
-    named = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in failed.items())
+    named = "; ".join(_said(rank, outcome) for rank, outcome in failed.items())
     oom = all(kind == torch.OutOfMemoryError.__name__ for kind, _ in failed.values())
     raise (torch.OutOfMemoryError if oom else OtherRankFailed)(
         f"{call} failed on {'rank' if len(failed) == 1 else 'ranks'} "
         f"{', '.join(map(str, failed))}, so it stops on every rank ({named})")
+
+
+def _said(rank: int, outcome: tuple[str, str]) -> str:
+    """A rank's failure, as ``together`` names it: its rank, the error's type and message."""
+    kind, message = outcome
+    return f"rank {rank}: {kind}: {message}"
 
 
 def _gathered(device, obj) -> list:

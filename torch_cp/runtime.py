@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torch_cp.agreement import together
 from torch_cp.attention.backend import AttentionBackend, AttentionGeometry
 from torch_cp.attention.exchange import Exchange
 from torch_cp.fused_linear import fuse_replaced
@@ -88,6 +89,16 @@ def new_state_pool(runtime: ModelRuntime, num_slots: int) -> StatePool | None:
     if runtime.linear is None:
         return None
     return StatePool(runtime.linear, num_slots, runtime.dtype, runtime.device)
+
+
+def new_pools(runtime: ModelRuntime, num_pages: int, page_size: int | None, state_slots: int,
+              call: str) -> tuple[GQAPool | MLAPool, StatePool | None]:
+    """``runtime.new_pool(num_pages, page_size)`` and ``new_state_pool(runtime, state_slots)``,
+    on every rank the model spans or on none (``agreement.together``: one rank out of memory
+    alone left the others in the next collective); ``call`` names the allocation."""
+    return together(runtime.spans_ranks, runtime.device, call,
+                    lambda: (runtime.new_pool(num_pages, page_size),
+                             new_state_pool(runtime, state_slots)))
 
 
 def runtime_of(model) -> ModelRuntime:

@@ -150,12 +150,12 @@ def test_state_checkpoints_are_refused_where_they_mean_nothing(model):
 def test_a_state_pool_past_the_free_memory_is_refused_before_allocation(model, monkeypatch):
     """The state pool counts beside the KV pool: slots for 10^8 requests (about 1 TiB here) are
     a ValueError, not an allocation (helper 43: it reached ``new_state_pool``)."""
-    from torch_cp.engine import engine
+    from torch_cp import runtime
 
     def refuse(*args):
         raise AssertionError("the state pool was allocated")
 
-    monkeypatch.setattr(engine, "new_state_pool", refuse)
+    monkeypatch.setattr(runtime, "new_state_pool", refuse)  # what the engine's new_pools calls
     for kwargs in (dict(max_rows=10**8), dict(prefix_caching=True, state_checkpoints=10**8)):
         with pytest.raises(ValueError, match=r"num_pages 40 need .* GiB of pool on each rank "
                                              r"beside .* GiB of state pool"):

@@ -12,7 +12,7 @@ from driver import HYBRID_TYPES, shape_mesh, tiny_model
 from torch.distributed.device_mesh import DeviceMesh
 
 import torch_cp
-from torch_cp.engine import engine as engine_module
+from torch_cp import runtime as runtime_module
 from torch_cp.hf.validate import validate_patch
 from torch_cp.state.kernels import fla_available
 
@@ -145,7 +145,7 @@ def no_allocation(monkeypatch, hybrid):
             *args, **kwargs)
 
     monkeypatch.setattr(hybrid.torch_cp, "new_pool", pool)
-    monkeypatch.setattr(engine_module, "new_state_pool", refuse)
+    monkeypatch.setattr(runtime_module, "new_state_pool", refuse)  # the engine's new_pools
 
 
 @pytest.mark.usefixtures("no_allocation")

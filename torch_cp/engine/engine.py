@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from torch_cp.agreement import across_ranks, agree_over, fingerprint, together
+from torch_cp.agreement import across_ranks, agree_over, fingerprint
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
 from torch_cp.engine.checks import engine_problems, positive_ints
@@ -40,7 +40,7 @@ from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
-from torch_cp.runtime import new_state_pool, runtime_and_problems
+from torch_cp.runtime import new_pools, runtime_and_problems
 
 DEFAULT_TOKENS_PER_STEP = 2048
 
@@ -132,10 +132,9 @@ class Engine(BatchRuns, Serving):
                                                      state_checkpoints)
         self.allocator = (PrefixCachingAllocator(num_pages, page_size, state_slots, checkpoints)
                           if prefix_caching else PageAllocator(num_pages, page_size, state_slots))
-        self.pool, self.state = together(  # state: None unless hybrid, checkpoints' slots last
-            self.runtime.spans_ranks, self.runtime.device, "allocating the engine's pools",
-            lambda: (self.runtime.new_pool(num_pages, page_size),
-                     new_state_pool(self.runtime, state_slots + checkpoints)))
+        self.pool, self.state = new_pools(  # state: None unless hybrid, checkpoints' slots last
+            self.runtime, num_pages, page_size, state_slots + checkpoints,
+            "allocating the engine's pools")
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
         self.broadcast = across_ranks(self.runtime.spans_ranks)
         self.decides = not self.broadcast or dist.get_rank() == 0  # serving's: rank 0, or alone

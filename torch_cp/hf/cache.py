@@ -14,10 +14,9 @@ import copy
 import torch
 from transformers.cache_utils import Cache
 
-from torch_cp.agreement import together
 from torch_cp.kv.pool import GQAPool, MLAPool
 from torch_cp.plan import StepPlan
-from torch_cp.runtime import ModelRuntime, new_state_pool, runtime_to_run
+from torch_cp.runtime import ModelRuntime, new_pools, runtime_to_run
 from torch_cp.state import StatePool
 
 
@@ -75,9 +74,8 @@ class PagedKVCache(Cache):
         pool of ``state_slots`` slots. Under torchrun, allocated on every rank or on none
         (``agreement.together``)."""
         runtime = runtime_to_run(model)
-        return cls(runtime, *together(
-            runtime.spans_ranks, runtime.device, "allocating a paged cache",
-            lambda: (runtime.new_pool(num_pages, page_size), new_state_pool(runtime, state_slots))))
+        return cls(runtime, *new_pools(runtime, num_pages, page_size, state_slots,
+                                       "allocating a paged cache"))
 
     def begin_step(self, plan: StepPlan) -> None:
         """Make ``plan`` the plan of the next forward and plan the backend for it (host side)."""

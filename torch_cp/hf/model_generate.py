@@ -38,10 +38,10 @@ import types
 import torch
 
 from torch_cp import compat
-from torch_cp.agreement import across_ranks, agree, agree_over, described, fingerprint, together
+from torch_cp.agreement import across_ranks, agree, agree_over, described, fingerprint
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.hf.generate_cache import GenerateCache
-from torch_cp.runtime import new_state_pool, runtime_and_problems
+from torch_cp.runtime import new_pools, runtime_and_problems
 from torch_cp.values import positive_int
 
 # model.generate's arguments that only show what it makes, compared on no rank: the usual
@@ -80,10 +80,7 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     pages = batch_size * -(-max_length // size)
     install_generate(model)
     with torch.inference_mode(False):  # a cache made under inference_mode serves a turn outside
-        pool, state = together(runtime.spans_ranks, runtime.device,
-                               "allocating the generate cache",
-                               lambda: (runtime.new_pool(pages, size),
-                                        new_state_pool(runtime, batch_size)))
+        pool, state = new_pools(runtime, pages, size, batch_size, "allocating the generate cache")
     return GenerateCache(runtime, pool, batch_size, state)
 
 
@@ -100,10 +97,11 @@ def _plan_before_forward(module, args, kwargs):
         return None
     # generate() passes keywords; a direct call may pass (input_ids, attention_mask,
     # position_ids, ...) positionally: named by the forward's signature
-    names = [name for name, p in inspect.signature(module.forward).parameters.items()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
-    kwargs.update(zip(names, args))
-    args = args[len(names):]
+    if args:  # not generate's steps: no signature read on their path
+        names = [name for name, p in inspect.signature(module.forward).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
+        kwargs.update(zip(names, args))
+        args = args[len(names):]
     ids = kwargs.get("input_ids")
     if ids is None and kwargs.get("inputs_embeds") is not None:
         ids = kwargs["inputs_embeds"][..., 0]  # [B, S]: the plan needs only the shape
