@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torch_cp.agreement import together
 from torch_cp.compat import cache_kwarg
 from torch_cp.graphs.buckets import pick_bucket
 from torch_cp.graphs.experts import capturable_experts
@@ -88,25 +89,41 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, in one memory pool. Every row of a capture step is
-        padding, so its writes land on the sink page."""
+        padding, so its writes land on the sink page.
+
+        Under torchrun a capture that fails on one rank (out of memory: the graphs' pool is new
+        memory beside what the warm-up steps cached) raises on every rank before the next
+        bucket's warm-up (``agreement.together``): a capture only records its collectives, so the
+        other ranks finish theirs, while a warm-up runs them and would wait for ever."""
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.device)
-        backend = self.cache.runtime.backend
+        runtime = self.cache.runtime
         for bucket in sorted(self.buckets, reverse=True):
-            backend.add_bucket(bucket)
-            static = StaticPlan(self._plan(bucket, [], [], []))
-            c = _Captured(bucket, static, self.device)
-            self.cache.begin_step(static.plan)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm lazy initialisation outside the capture
-                    self._forward(c)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            with torch.cuda.graph(c.graph, pool=pool, stream=stream):
-                c.logits = self._forward(c)
+            c = self._warmed(bucket, stream)
+            together(runtime.spans_ranks, runtime.device,
+                     f"capturing the CUDA graph of {bucket}",
+                     functools.partial(self._record, c, pool, stream))
             self.captured[bucket] = c
         torch.cuda.synchronize(self.device)
         log.info("torch_cp: captured %d CUDA-graph buckets", len(self.captured))
+
+    def _warmed(self, bucket: Bucket, stream: torch.cuda.Stream) -> _Captured:
+        """``bucket``'s static buffers and kernels, its step run twice outside any capture (lazy
+        initialisation, compilation)."""
+        self.cache.runtime.backend.add_bucket(bucket)
+        static = StaticPlan(self._plan(bucket, [], [], []))
+        c = _Captured(bucket, static, self.device)
+        self.cache.begin_step(static.plan)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(c)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return c
+
+    def _record(self, c: _Captured, pool, stream: torch.cuda.Stream) -> None:
+        with torch.cuda.graph(c.graph, pool=pool, stream=stream):
+            c.logits = self._forward(c)
 
     def bucket_for(self, q_lens: Sequence[int], table_width: int) -> Bucket | None:
         decode = all(q == 1 for q in q_lens)

@@ -68,6 +68,7 @@ def _ranks(rank: int, world_size: int):
         out[f"{mode} model.generate"] = _hf_generate(model)
         out[f"{mode} out of memory"] = _out_of_memory_on_rank_1(model, rank)
         out[f"{mode} next turn"] = _next_turn(model)
+        out[f"{mode} capture out of memory"] = _capture_out_of_memory_on_rank_1(model, rank)
         records = []
         model.torch_cp.exchange.records = records
         engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True)
@@ -315,6 +316,38 @@ def _out_of_memory_on_rank_1(model, rank: int) -> dict[str, str]:
     return out
 
 
+def _capture_out_of_memory_on_rank_1(model, rank: int) -> tuple[str, list]:
+    """What each rank raises, and which buckets it warmed up, when rank 1 alone runs out of
+    memory capturing the second of three buckets' graphs. The CUDA parts are stand-ins (no GPU
+    here): the order of warm-ups, captures and the agreement is what is tested."""
+    from torch_cp.graphs import runner as runner_module
+    from torch_cp.plan import Bucket
+
+    runner = runner_module.CUDAGraphRunner(model, torch_cp.new_cache(model, 1, 8),
+                                           [Bucket(1, 1, 4), Bucket(2, 2, 4), Bucket(4, 4, 4)])
+    warmed = []
+
+    def warmed_up(bucket, stream):
+        warmed.append((bucket.rows, bucket.tokens, bucket.max_pages))
+        return bucket
+
+    def record(bucket, pool, stream):
+        if rank == 1 and bucket == Bucket(2, 2, 4):
+            raise torch.OutOfMemoryError("CUDA out of memory (rank 1 alone, in this test)")
+
+    runner._warmed, runner._record = warmed_up, record
+    stream_of, pool_handle = runner_module.capture_stream, torch.cuda.graph_pool_handle
+    runner_module.capture_stream, torch.cuda.graph_pool_handle = (lambda device: None,
+                                                                  lambda: None)
+    try:
+        runner.capture()
+        return "ran", warmed
+    except torch.OutOfMemoryError as e:
+        return f"OutOfMemoryError: {e}", warmed
+    finally:
+        runner_module.capture_stream, torch.cuda.graph_pool_handle = stream_of, pool_handle
+
+
 @pytest.fixture(scope="module")
 def single():
     return _generate(torch_cp.patch_model(tiny_qwen3(), page_size=PAGE))
@@ -491,6 +524,19 @@ def test_memory_running_out_on_one_rank_raises_on_every_rank(ranks, mode):
                      torch.tensor([list(range(20, 50))])], 1)
     want = model.generate(seq, max_new_tokens=NEW, do_sample=False)[0, seq.shape[1]:].tolist()
     assert got[0]["retried next turn"] == got[1]["retried next turn"] == want
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
+def test_a_capture_running_out_of_memory_on_one_rank_raises_on_every_rank(ranks, mode):
+    """Before, rank 0 went on to warm up the next bucket, whose step's collectives waited for
+    rank 1 for ever. Now both raise after the second bucket's capture, before its warm-up."""
+    got = [per_mode[f"{mode} capture out of memory"] for per_mode in ranks]
+    own = "OutOfMemoryError: CUDA out of memory (rank 1 alone, in this test)"
+    assert got[1][0] == own
+    assert got[0][0] == (f"OutOfMemoryError: capturing the CUDA graph of Bucket(rows=2, "
+                         f"tokens=2, max_pages=4) failed on rank 1, so it stops on every "
+                         f"rank (rank 1: {own})")
+    assert got[0][1] == got[1][1] == [(4, 4, 4), (2, 2, 4)]  # largest first; not the third
 
 
 def test_memory_running_out_on_one_rank_while_patching_raises_on_every_rank(ranks, hf):

@@ -58,6 +58,26 @@ def test_one_rank_loads_what_transformers_loads(checkpoints, name, dtype):
     assert model.torch_cp.tp == 1
 
 
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_loaded_or_patched_under_inference_mode_the_weights_stay_writable(checkpoints, name):
+    """transformers loads outside inference mode; torch_cp's loads and patches (fused and
+    sharded weights) were inference tensors when called inside it, and a later
+    ``load_state_dict`` outside it raised. Now neither the weights nor the buffers are, and the
+    reloaded model gives the unpatched tokens."""
+    want = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name]).eval()
+    unpatched = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name]).eval()
+    with torch.inference_mode():
+        loaded = torch_cp.from_pretrained(checkpoints[name])
+        patched = torch_cp.patch_model(unpatched)
+    ids = torch.tensor([[5, 9, 2, 77, 31]])
+    expected = want.generate(ids, max_new_tokens=4, do_sample=False)
+    for model in (loaded, patched):
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        assert not [n for n, t in tensors.items() if t.is_inference()]
+        model.load_state_dict(want.state_dict(), strict=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+
+
 @pytest.mark.parametrize("name, where", [("qwen3", None), ("qwen3_5", "text_config")])
 def test_without_a_dtype_the_checkpoints_own_is_taken_as_transformers_takes_it(
         checkpoints, tmp_path, name, where):

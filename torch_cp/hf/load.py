@@ -199,6 +199,9 @@ def _refuse(path: Path, problems: list[str], model, mesh, device, arguments: dic
         **arguments)
 
 
+# Outside inference mode, as transformers loads: parameters made under it are inference tensors,
+# which a later load_state_dict (or any in-place write outside it) refuses.
+@torch.inference_mode(False)
 def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
                     context_parallel: bool = False, dtype: torch.dtype | str | None = None,
                     backend: str = "torch", page_size: int = 16, device=None) -> nn.Module:

@@ -116,7 +116,11 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
     geometry = family.geometry(model.config, s.tp, placement)
     made: list[ModelRuntime] = []  # the runtime, once made: what a failure below undoes
 
-    def patch() -> ModelRuntime:  # allocates (backend workspace, fused weights), no collective
+    # Allocates (backend workspace, fused and sharded weights), no collective. Outside inference
+    # mode: weights made under it are inference tensors, which a later load_state_dict (or any
+    # in-place write outside it) refuses.
+    @torch.inference_mode(False)
+    def patch() -> ModelRuntime:
         attn_backend = make_backend(s.backend, geometry, s.device, s.dtype)
         attns = attention_modules(model, family.attention_classes)
         linears = linear_modules(model, family)
