@@ -138,6 +138,29 @@ def test_requests_past_max_position_embeddings_warn_and_still_run():
     assert engine_warnings(record) == []
 
 
+def test_submit_warns_as_run_does_and_generate_stream_once_for_the_batch():
+    """``submit`` gave neither warning (helper 94); ``generate(stream=True)`` warns once for
+    its whole batch, as ``run`` does, not once more per request."""
+    model = torch_cp.patch_model(tiny_qwen3(max_position_embeddings=32))
+    engine = Engine(model, num_pages=16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine.submit(PROMPT[:30], 8, SamplingParams(top_k=2))
+        engine.submit(PROMPT[:5], 3)  # neither
+    said = [(w.category, w.filename) for w in engine_warnings(record)]
+    assert sorted(said, key=str) == sorted([(IgnoredSettingWarning, __file__),
+                                            (PositionLimitWarning, __file__)], key=str)
+    assert "request 0 (38)" in str(next(w.message for w in engine_warnings(record)
+                                         if w.category is PositionLimitWarning))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in torch_cp.generate(model, [PROMPT[:30], PROMPT[:31]], 8, progress=False,
+                                   stream=True, top_k=2):
+            pass
+    assert sorted(w.category.__name__ for w in engine_warnings(record)) == [
+        "IgnoredSettingWarning", "PositionLimitWarning"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
                     reason="needs CUDA and FlashInfer")

@@ -8,6 +8,8 @@ reassociation of ~1e-6 on logits of magnitude 1-10)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -437,6 +439,18 @@ def test_generate_streams_with_the_warnings_generate_gives():
             list(out)
 
 
+@pytest.mark.parametrize("k", [np.int64(2), torch.tensor(2)], ids=["numpy", "0-d tensor"])
+def test_logprobs_take_numpy_and_0d_tensor_ints_as_max_new_tokens_does(k):
+    """They were refused as not an int (helper 94), while max_new_tokens, top_k and seed took
+    them."""
+    e = engine()
+    got = [e.submit(PROMPTS[1], 3, logprobs=k)]
+    streamed = [o.logprobs for o in e.stream()]
+    assert e.run([PROMPTS[1]], 3, logprobs=k)[0].logprobs == engine().run(
+        [PROMPTS[1]], 3, logprobs=2)[0].logprobs
+    assert got == [0] and all(len(top) == 2 for lps in streamed for _, top in lps)
+
+
 def test_run_and_generate_results_carry_the_streams_logprobs():
     prompts = PROMPTS[:2]
     e = engine()
@@ -452,6 +466,34 @@ def test_run_and_generate_results_carry_the_streams_logprobs():
         torch.testing.assert_close(list(r.logprobs), streamed[rid], atol=1e-5, rtol=0)
         torch.testing.assert_close(list(g.logprobs), streamed[rid], atol=1e-5, rtol=0)
     assert engine().run(prompts, NEW)[0].logprobs == ()  # not asked: none
+
+
+def test_greedy_logprobs_come_home_with_the_step_not_after_the_step_launched_ahead(monkeypatch):
+    """With a step launched ahead, reading a greedy token's log-probability from the device
+    log-softmax (``.item()`` of a CUDA tensor) waited for that step too (helper 94). Its value
+    now comes home with the top k from the step's own copy: here the device tensor cannot be
+    read at all, and every log-probability equals the run without overlap."""
+    from torch_cp.engine import serving
+
+    class Unread:
+        def __getitem__(self, key):
+            raise AssertionError("a greedy row's log-probability read from the device")
+
+    logprob_rows = serving.Serving._logprob_rows
+
+    def sealed(self, step):
+        logprob_rows(self, step)
+        if step.logprob_rows is not None and step.device_ids is not None:
+            step.logprob_rows = dataclasses.replace(step.logprob_rows, device=Unread())
+
+    want = engine().run(PROMPTS, NEW, logprobs=3)
+    monkeypatch.setattr(serving.Serving, "_logprob_rows", sealed)
+    e = engine(overlap_planning=True)
+    got = e.run(PROMPTS, NEW, logprobs=3)
+    assert e.launched_ahead_steps > 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == NEW
+        torch.testing.assert_close(list(g.logprobs), list(w.logprobs), atol=1e-5, rtol=0)
 
 
 def test_prefix_caching_through_the_stream_counts_reused_tokens(hf_tokens):

@@ -21,6 +21,7 @@ from torch_cp.engine.requests import (
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Scheduler
 from torch_cp.engine.serving import _Options
+from torch_cp.values import as_int
 
 GREEDY = SamplingParams()
 
@@ -100,7 +101,7 @@ class BatchRuns:
         eos = frozenset(eos_token_ids)
         generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
         if logprobs is not None:  # the rows whose log-probabilities the steps take
-            self._options = {r.index: _Options(sampling, frozenset(), None, logprobs)
+            self._options = {r.index: _Options(sampling, frozenset(), None, as_int(logprobs))
                              for r in scheduler.waiting}
         token_logprobs = {r.index: [] for r in scheduler.waiting}
         try:

@@ -172,7 +172,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         warn_past_positions(model, [Request(i, p, n) for i, (p, n) in
                                     enumerate(zip(token_prompts, news))])
         for prompt, new in zip(token_prompts, news):
-            engine.submit(prompt, new, sampling, stop_token_ids=eos, logprobs=logprobs)
+            engine.submit(prompt, new, sampling, stop_token_ids=eos, logprobs=logprobs,
+                          warn=False)
         return engine.stream()
     # Agreed above, on a fresh engine: not again (run_tokens would gather once more).
     results = engine.run_agreed(token_prompts, news, sampling, eos, progress, tokenizer,

@@ -99,8 +99,8 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, capaci
 def logprobs_problem(logprobs, vocab: int) -> str | None:
     """Why ``logprobs`` (the k most likely tokens to report) is unusable, or None: an int in
     ``[0, vocab]``, or None for none."""
-    if logprobs is None or (isinstance(logprobs, int) and not isinstance(logprobs, bool)
-                            and 0 <= logprobs <= vocab):
+    k = as_int(logprobs)  # NumPy's ints too, as max_new_tokens and top_k take them
+    if logprobs is None or (k is not None and 0 <= k <= vocab):
         return None
     return f"logprobs must be None or an int in [0, {vocab}] (the vocabulary), got {logprobs!r}"
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     RequestOutput,
     check_request,
@@ -35,6 +36,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Request, Scheduler
+from torch_cp.engine.steps import HomeBound, to_device
 from torch_cp.engine.stops import StopStrings, stops_of
 from torch_cp.values import as_int
 
@@ -46,6 +48,17 @@ class _Options:
     stop: int | None  # the number of its stop strings' criterion in the engine's StopStrings
     logprobs: int | None
     generator: torch.Generator | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class _LogprobRows:
+    """A launched step's log-probabilities: each asking row's index into ``device`` ([rows, V]
+    log-softmax), and its top k values and ids (and greedy rows' own tokens') on their way
+    home."""
+
+    index: dict[int, int]
+    device: torch.Tensor
+    home: HomeBound
 
 
 class Serving:
@@ -64,13 +77,15 @@ class Serving:
                sampling: SamplingParams | None = None,
                stop_token_ids: int | Sequence[int] | None = (),
                stop_strings: str | Sequence[str] | None = (), tokenizer=None,
-               logprobs: int | None = None) -> int:
+               logprobs: int | None = None, *, warn: bool = True) -> int:
         """Queue a request (token ids) for the next step; returns its id. A bad request (see
         ``check_request``) ends at that step with ``finish_reason="error"``; bad options raise a
         ValueError naming each, and nothing is queued. Stop strings need ``tokenizer``; a str
         is one stop string and an int one stop token id (as transformers takes them). The
         model's EOS ends a request only as one of its ``stop_token_ids`` (``finish_reason``
-        ``"stop"``; ``generate(stream=True)`` passes them)."""
+        ``"stop"``; ``generate(stream=True)`` passes them). Warns as ``run`` does (top_k or
+        top_p at temperature 0, a request past ``max_position_embeddings``) unless
+        ``warn=False`` (a caller that warned for the whole batch)."""
         problems = []
         stop_token_ids, stop_strings = stops_of(stop_token_ids, stop_strings, tokenizer, problems)
         token_ids = token_ids_of(prompt)
@@ -86,11 +101,15 @@ class Serving:
             problems.append(problem)
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
+        if warn:  # the warnings run() gives
+            warn_ignored_sampling(sampling or SamplingParams())
+            warn_past_positions(self.model, [Request(self._next_id, token_ids,
+                                                     as_int(max_new_tokens))])
         # Another rank's submissions are ignored (rank 0's reach it): it makes no criterion.
         numbers = bool(stop_strings) and self.decides
         stop = self._stop_strings.number(tokenizer, stop_strings) if numbers else None
         options = _Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
-                           logprobs)
+                           None if logprobs is None else as_int(logprobs))
         request_id = self._next_id
         self._next_id += 1
         self._pending.append(("submit", request_id, token_ids,
@@ -211,17 +230,22 @@ class Serving:
 
     def _logprob_rows(self, step) -> None:
         """Log-probabilities of ``step``'s sampling rows that asked for them, on the device right
-        after its launch (before a step launched ahead reuses the logits buffer)."""
+        after its launch (before a step launched ahead reuses the logits buffer). The top k go
+        home at once, and for greedy rows (whose token is on the device) the token's own: the
+        host then waits for this step only, not for a step launched ahead."""
         want = [(i, b) for i, b in enumerate(step.sampled)
                 if (o := self._options.get(step.rows[b].request)) is not None
                 and o.logprobs is not None]
         if not want:
             return
-        rows = torch.tensor([i for i, _ in want], device=step.logits.device)
+        rows = to_device([i for i, _ in want], step.logits.device)
         lp = torch.log_softmax(step.logits.index_select(0, rows).float(), dim=-1)
         k = max(self._options[step.rows[b].request].logprobs for _, b in want)
         top = lp.topk(max(k, 1), dim=-1)
-        step.logprob_rows = ({b: j for j, (_, b) in enumerate(want)}, lp, top)
+        chosen = (() if step.device_ids is None else
+                  (lp.gather(1, step.device_ids.index_select(0, rows)[:, None])[:, 0],))
+        step.logprob_rows = _LogprobRows({b: j for j, (_, b) in enumerate(want)}, lp,
+                                         HomeBound(top.values, top.indices, *chosen))
 
     def _token_logprobs(self) -> dict[int, tuple]:
         """Per request of the step ``_step`` just committed that asked for them: its new token's
@@ -230,14 +254,19 @@ class Serving:
             return {}
         launched, tokens = self._committed
         lp = launched.logprob_rows
+        if lp is None:
+            return {}
+        values, indices, *chosen = lp.home.arrived()
         out = {}
         for b, row in enumerate(launched.rows):
             token = tokens.get(row.request)
-            if lp is None or token is None or b not in lp[0]:
+            if token is None or b not in lp.index:
                 continue
-            j, k = lp[0][b], self._options[row.request].logprobs
-            out[row.request] = (lp[1][j, token].item(), tuple(
-                zip(lp[2].indices[j, :k].tolist(), lp[2].values[j, :k].tolist())))
+            j, k = lp.index[b], self._options[row.request].logprobs
+            # A sampled token was drawn on the host after the launch: no step runs ahead then.
+            own = chosen[0][j].item() if chosen else lp.device[j, token].item()
+            out[row.request] = (own, tuple(zip(indices[j, :k].tolist(),
+                                               values[j, :k].tolist())))
         return out
 
     def _report(self, ended) -> None:

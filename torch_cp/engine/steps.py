@@ -148,24 +148,48 @@ class LaunchedStep:
     sampled: list[int]
     logits: torch.Tensor
     device_ids: torch.Tensor | None = None
-    logprob_rows: tuple | None = None  # (row -> index, log-softmax, top k) of rows that ask
-    _host_ids: torch.Tensor | None = None
-    _arrived: torch.cuda.Event | None = None
+    logprob_rows: object | None = None  # serving's log-probabilities of rows that ask
+    _host_ids: HomeBound | None = None
 
     def send_ids_home(self, ids: torch.Tensor) -> None:
         """Keep ``ids`` as ``device_ids`` and queue their copy to the host."""
         self.device_ids = ids
-        if ids.device.type != "cuda":
-            self._host_ids = ids
-            return
-        self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        self._host_ids.copy_(ids, non_blocking=True)
-        self._arrived = torch.cuda.Event()
-        self._arrived.record(torch.cuda.current_stream(ids.device))
+        self._host_ids = HomeBound(ids)
 
     def host_ids(self) -> list[int]:
         """The greedy ids on the host; waits for this step only, not for steps queued after."""
         assert self._host_ids is not None, "send_ids_home ran"
-        if self._arrived is not None:
-            self._arrived.synchronize()
-        return self._host_ids.tolist()
+        return self._host_ids.arrived()[0].tolist()
+
+
+class HomeBound:
+    """Device tensors on their way to the host: a copy into pinned memory queued on the
+    stream, and an event after it. ``arrived`` waits for that event only: a plain ``.tolist()``
+    or ``.item()`` of a CUDA tensor would wait for every step queued after (a step launched
+    ahead), and a copy from pageable memory likewise."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._event = None
+        if not tensors or tensors[0].device.type != "cuda":
+            self._host = tensors
+            return
+        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for host, t in zip(self._host, tensors):
+            host.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(tensors[0].device))
+
+    def arrived(self) -> tuple[torch.Tensor, ...]:
+        """The tensors on the host, once their copies have landed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
+def to_device(values: list[int], device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``, copied from pinned memory (stream-ordered: a
+    copy from pageable memory would first wait for every step still queued)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
