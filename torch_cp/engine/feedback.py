@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import torch.distributed as dist
 from tqdm import tqdm
 
+from torch_cp.engine.requests import Request
 from torch_cp.engine.sampling import SamplingParams
-from torch_cp.engine.scheduler import Request
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

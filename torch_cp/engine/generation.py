@@ -17,6 +17,7 @@ from torch_cp.engine.memory import (
     state_pool_bytes,
 )
 from torch_cp.engine.requests import (
+    Request,
     RequestOutput,
     Result,
     eos_ids,
@@ -27,7 +28,6 @@ from torch_cp.engine.requests import (
     vocab_size,
 )
 from torch_cp.engine.sampling import SamplingParams
-from torch_cp.engine.scheduler import Request
 from torch_cp.runtime import runtime_and_problems, runtime_of
 
 

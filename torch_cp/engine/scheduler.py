@@ -28,58 +28,16 @@ checkpoint is taken at each chunk end (``checkpoint_keys``).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch_cp.engine.checkpoint_chunks import checkpoint_end, checkpoint_keys
+from torch_cp.engine.requests import Request  # noqa: F401 (imported from here too)
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import (  # noqa: F401 (writes_shared_page: imported from here)
     PrefixCachingAllocator,
     page_keys,
     writes_shared_page,
 )
-
-
-@dataclass
-class Request:
-    """One request's progress. ``cached`` tokens of ``tokens`` have their KV in the pool."""
-
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-    generated: list[int] = field(default_factory=list)
-    cached: int = 0
-    prompt_keys: list[bytes] | None = field(default=None, repr=False)  # prefix-cache keys
-    cached_prefix_end: int = 0  # hybrid: where the cached prefix ends (past its checkpoint)
-    # prompt + generated, grown with them: built again on each read, it cost every row of every
-    # step its whole context (49 ms a step at 64 rows of 128k; helper 94).
-    _sequence: list[int] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._sequence = self.prompt + self.generated
-
-    @property
-    def tokens(self) -> list[int]:
-        """The prompt, then the generated tokens (read-only: ``append`` adds to it)."""
-        return self._sequence
-
-    def append(self, token: int) -> None:
-        """Record a generated token."""
-        self.generated.append(token)
-        self._sequence.append(token)
-
-    @property
-    def pending(self) -> int:
-        """Tokens whose KV is not in the pool yet (the next row's tokens)."""
-        return len(self.prompt) + len(self.generated) - self.cached
-
-    @property
-    def lifetime_tokens(self) -> int:
-        """Tokens cached at most: the last generated token is never fed back."""
-        return len(self.prompt) + self.max_new_tokens - 1
-
-    @property
-    def decoding(self) -> bool:
-        return bool(self.generated)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from torch_cp.engine import logprobs
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
+    Request,
     RequestOutput,
     check_request,
     logprobs_problem,
@@ -35,8 +37,7 @@ from torch_cp.engine.requests import (
     vocab_size,
 )
 from torch_cp.engine.sampling import SamplingParams
-from torch_cp.engine.scheduler import Request, Scheduler
-from torch_cp.engine.steps import HomeBound, to_device
+from torch_cp.engine.scheduler import Scheduler
 from torch_cp.engine.stops import StopStrings, stops_of
 from torch_cp.values import as_int
 
@@ -48,17 +49,6 @@ class _Options:
     stop: int | None  # the number of its stop strings' criterion in the engine's StopStrings
     logprobs: int | None
     generator: torch.Generator | None = field(default=None, repr=False)
-
-
-@dataclass(frozen=True)
-class _LogprobRows:
-    """A launched step's log-probabilities: each asking row's index into ``device`` ([rows, V]
-    log-softmax), and its top k values and ids (and greedy rows' own tokens') on their way
-    home."""
-
-    index: dict[int, int]
-    device: torch.Tensor
-    home: HomeBound
 
 
 class Serving:
@@ -229,23 +219,10 @@ class Serving:
         return {rid: o.generator for rid, o in self._options.items()}
 
     def _logprob_rows(self, step) -> None:
-        """Log-probabilities of ``step``'s sampling rows that asked for them, on the device right
-        after its launch (before a step launched ahead reuses the logits buffer). The top k go
-        home at once, and for greedy rows (whose token is on the device) the token's own: the
-        host then waits for this step only, not for a step launched ahead."""
-        want = [(i, b) for i, b in enumerate(step.sampled)
-                if (o := self._options.get(step.rows[b].request)) is not None
-                and o.logprobs is not None]
-        if not want:
-            return
-        rows = to_device([i for i, _ in want], step.logits.device)
-        lp = torch.log_softmax(step.logits.index_select(0, rows).float(), dim=-1)
-        k = max(self._options[step.rows[b].request].logprobs for _, b in want)
-        top = lp.topk(max(k, 1), dim=-1)
-        chosen = (() if step.device_ids is None else
-                  (lp.gather(1, step.device_ids.index_select(0, rows)[:, None])[:, 0],))
-        step.logprob_rows = _LogprobRows({b: j for j, (_, b) in enumerate(want)}, lp,
-                                         HomeBound(top.values, top.indices, *chosen))
+        """Take ``step``'s log-probabilities right after its launch, before a step launched
+        ahead reuses the logits buffer (``logprobs.take``)."""
+        step.logprob_rows = logprobs.take(step, {rid: o.logprobs for rid, o in
+                                                  self._options.items()})
 
     def _token_logprobs(self) -> dict[int, tuple]:
         """Per request of the step ``_step`` just committed that asked for them: its new token's
@@ -253,21 +230,7 @@ class Serving:
         if self._committed is None:
             return {}
         launched, tokens = self._committed
-        lp = launched.logprob_rows
-        if lp is None:
-            return {}
-        values, indices, *chosen = lp.home.arrived()
-        out = {}
-        for b, row in enumerate(launched.rows):
-            token = tokens.get(row.request)
-            if token is None or b not in lp.index:
-                continue
-            j, k = lp.index[b], self._options[row.request].logprobs
-            # A sampled token was drawn on the host after the launch: no step runs ahead then.
-            own = chosen[0][j].item() if chosen else lp.device[j, token].item()
-            out[row.request] = (own, tuple(zip(indices[j, :k].tolist(),
-                                               values[j, :k].tolist())))
-        return out
+        return logprobs.of_tokens(launched, tokens)
 
     def _report(self, ended) -> None:
         """Outputs of the step ``_step`` just committed: new tokens, stops, finishes."""
