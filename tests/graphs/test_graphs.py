@@ -58,8 +58,13 @@ def test_static_plan_keeps_addresses_and_takes_new_values(bucket):
         assert getattr(loaded, name).data_ptr() == addresses[name]
         assert torch.equal(getattr(loaded, name), getattr(fresh, name)), name
     assert loaded.context.table.data_ptr() == addresses["table"]
-    for name in ("lens", "indptr", "last_page_len", "table"):
+    for name in ("lens", "indptr", "last_page_len"):
         assert torch.equal(getattr(loaded.context, name), getattr(fresh.context, name)), name
+    # The plan's table is as wide as its longest row, not the bucket (planning a step over a
+    # pool of 8k pages built 64 x 8k tables: helper 96); it fills the bucket's first columns.
+    assert fresh.context.table.shape == (4, 3)
+    assert loaded.context.table.shape == (4, bucket.table_width)
+    assert torch.equal(loaded.context.table[:, :3], fresh.context.table)
     nnz = fresh.context.indices.shape[0]
     assert torch.equal(loaded.context.indices[:nnz], fresh.context.indices)
     assert loaded.is_decode == decode and loaded.num_rows == 3
@@ -115,3 +120,48 @@ def test_pick_bucket_takes_the_fewest_tokens_then_the_fewest_rows():
                     want = min(fits, key=lambda b: (b.tokens, b.rows)) if fits else None
                     got = pick_bucket(order, rows, tokens, decode, table_width=2)
                     assert got == want, (rows, tokens, decode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_columns_past_a_rows_pages_are_never_read(dtype):
+    """A bucket's static table keeps, past each row's pages, what earlier steps left there (a
+    plan fills only its first columns). A decode step loaded after a wider one gives the bits
+    of its own plan, with those columns holding NaN pages."""
+    import math
+
+    from torch_cp.attention import (
+        AttentionGeometry,
+        ContextParallelAttention,
+        Exchange,
+        TorchBackend,
+    )
+    from torch_cp.kv import GQAPool
+    from torch_cp.placement import ContextParallel
+
+    heads, kv_heads, dim, page = 4, 2, 16, 8
+    geometry = AttentionGeometry("gqa", heads, kv_heads, dim, dim, 1 / math.sqrt(dim),
+                                 context_q_heads=heads)
+    placement = ContextParallel.single()
+    attention = ContextParallelAttention(0, TorchBackend(geometry), Exchange(placement))
+    pool = GQAPool(1, 12, page, kv_heads, dim, placement, dtype)
+    gen = torch.Generator().manual_seed(0)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(dtype))
+    pool.kv[0, [7, 8, 9]] = float("nan")  # the wide step's pages, stale columns later
+    bucket = Bucket(2, 2, 12)
+    static = StaticPlan(build_step_plan([], [], [], page_size=page, sink_page=12, bucket=bucket))
+
+    def plan(ctx_lens, tables):
+        return build_step_plan([1, 1], ctx_lens, tables, page_size=page, sink_page=12,
+                               bucket=bucket)
+
+    static.load(plan([40, 3], [[0, 1, 2, 3, 7, 8], [9]]))
+    narrow = plan([9, 3], [[4, 5], [6]])
+    loaded = static.load(narrow)
+    assert torch.isnan(pool.kv[0, loaded.context.table[0, 4:6].long()]).all()
+    q, k, v = (torch.randn(2, h, dim, generator=gen).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    out = []
+    for p in (narrow, loaded):
+        attention.backend.plan(p)
+        out.append(attention(q, k, v, pool, p))
+    assert torch.equal(out[0], out[1]) and torch.isfinite(out[1]).all()

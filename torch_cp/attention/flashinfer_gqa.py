@@ -146,7 +146,8 @@ class _GQAKernels:
         indices = plan.page_ids
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=g.scale)
         tokens = plan.positions.shape[0]
-        width = plan.context.table.shape[1] * plan.local_page_size  # slots a row can hold
+        pages = plan.bucket.table_width if plan.bucket is not None else plan.context.table.shape[1]
+        width = pages * plan.local_page_size  # slots a row can hold
         self._on_triton, self._tile = self._decode_choice(plan.is_decode, tokens, width)
         if self._on_triton:
             self._table = staged(self._table, plan.context.table)

@@ -236,7 +236,7 @@ class Scheduler:
             request.cached += row.length
             if self.caching and (request.cached // self.allocator.page_size
                                  > self.allocator.read_only_pages(row.request)):
-                self.allocator.register(row.request, request.tokens[:request.cached])
+                self.allocator.register(row.request, request.tokens, request.cached)
             if not row.samples:
                 continue
             token = new_tokens[row.request]

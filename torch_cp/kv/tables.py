@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,19 +39,17 @@ def dense_table(page_tables: Sequence[Sequence[int]] | torch.Tensor, sink_page: 
         if width is not None and width != table.shape[1]:
             raise ValueError(f"a page table of {table.shape[1]} pages is not {width} wide")
         return table
-    counts = torch.tensor([len(t) for t in page_tables], dtype=torch.int64)
-    longest = int(counts.max()) if len(page_tables) else 0
+    rows = [t.to(torch.int64) if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64)
+            for t in page_tables]
+    longest = max((len(t) for t in rows), default=0)
     if width is not None and width < longest:
         raise ValueError(f"a page table of {longest} pages exceeds table_width {width}")
-    width = max(1, longest) if width is None else width
-    table = torch.full((len(page_tables), width), sink_page, dtype=torch.int64)
-    if any(isinstance(t, torch.Tensor) for t in page_tables):
-        # Tables held as tensors (PageAllocator.table_tensor): one copy, however long they are.
-        flat = torch.cat([t.to(torch.int64) if isinstance(t, torch.Tensor)
-                          else torch.tensor(t, dtype=torch.int64) for t in page_tables])
-    else:
-        flat = torch.tensor(list(itertools.chain.from_iterable(page_tables)), dtype=torch.int64)
-    table[torch.arange(width) < counts[:, None]] = flat
+    table = torch.full((len(rows), max(1, longest) if width is None else width), sink_page,
+                       dtype=torch.int64)
+    # Row by row: a mask over the whole [B, width] table cost a decode step of 64 rows of 128k
+    # tokens about 10 ms of host time (helper 96); rows are few, pages many.
+    for b, row in enumerate(rows):
+        table[b, : len(row)] = row
     return table
 
 
@@ -62,13 +59,15 @@ def paged_indptrs(
 ) -> PagedIndptrs:
     """CSR over pages of ``page_size`` slots for rows of ``lens`` tokens (host tensors); the dense
     table is ``table_width`` pages wide (default: the longest page table)."""
+    i32 = torch.int32
     lens = lens.to(torch.int64)
-    table = dense_table(page_tables, sink_page, table_width)
+    table = dense_table(page_tables, sink_page, table_width).to(i32)
     pages = (lens + page_size - 1) // page_size
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(pages, 0)
-    indices = table[torch.arange(table.shape[1]) < pages[:, None]]
+    # Each row's first pages, row by row (a mask over the whole table cost 7 ms at 64 rows of
+    # 8k pages: helper 96).
+    indices = torch.cat([row[:n] for row, n in zip(table, pages.tolist())]
+                        or [table.new_zeros(0)])
     last = torch.where(lens > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
-    i32 = torch.int32
-    return PagedIndptrs(lens.to(i32), indptr.to(i32), indices.to(i32), last.to(i32),
-                        table.to(i32))
+    return PagedIndptrs(lens.to(i32), indptr.to(i32), indices, last.to(i32), table)
