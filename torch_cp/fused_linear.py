@@ -111,6 +111,7 @@ class FusedLinear(nn.Module):
                     _rebind(self.linears, name, whole)
         return self
 
+    @torch.inference_mode(False)  # parameters, never inference tensors (as in _fuse_replaced)
     def unfuse(self) -> None:
         """Give each linear its own storage again (``unpatch_model``: safetensors will not save
         views of one storage)."""
@@ -133,6 +134,9 @@ def fuse_replaced(model: nn.Module) -> None:
             _fuse_replaced(module)
 
 
+# Outside inference mode (``generate`` may run under it): a weight made there would be an
+# inference tensor, which a later ``load_state_dict`` refuses.
+@torch.inference_mode(False)
 def _fuse_replaced(fused: FusedLinear, incompatible_keys=None) -> None:
     if not fused.fused:
         return

@@ -124,3 +124,22 @@ def test_a_bucket_keeps_its_first_choice(backend, monkeypatch):
     assert decode_step(auto, 4) == ("triton", (td.BLOCK_N, td.WARPS, td.PROGRAMS_PER_SM,
                                                td.STAGES))
     assert decode_step(auto, 1) == ("triton", (64, 8, 2, 2))
+
+
+def test_a_bucket_stages_its_table_at_the_buckets_width(backend):
+    """A bucket's plan is as wide as its longest row; staged at that width, a later, wider or
+    narrower step re-allocated the table a captured Triton decode keeps reading (helper 97).
+    Every step of the bucket now stages into one tensor of the bucket's width, its first
+    columns the step's pages and the rest the sink page."""
+    auto, bucket = backend("triton"), Bucket(2, 2, 16)
+    auto.add_bucket(bucket)
+    staged = []
+    for context in (100, 20, 60):  # 7, 2 and 4 pages a row
+        decode_step(auto, 2, bucket, context)
+        table = auto._active._table
+        pages = context // 16 + 1
+        assert table.shape == (2, bucket.table_width)
+        assert table[:, :pages].tolist() == [list(range(pages)), list(range(pages, 2 * pages))]
+        assert (table[:, pages:] == 999).all()
+        staged.append(table)
+    assert staged[0] is staged[1] is staged[2]

@@ -215,3 +215,24 @@ def test_fused_parameters_keep_their_attributes():
     mods[1].weight.tp_shard = "record"
     FusedLinear(mods)
     assert mods[1].weight.tp_shard == "record" and not hasattr(mods[0].weight, "tp_shard")
+
+
+@pytest.mark.parametrize("call", ["generate after a weight was replaced", "unpatch_model"])
+def test_weights_fused_or_unfused_under_inference_mode_stay_writable(call):
+    """``generate`` (re-fusing a replaced weight) or ``unpatch_model`` (unfusing) called under
+    ``torch.inference_mode`` left inference-tensor parameters, which a later
+    ``load_state_dict`` refused (helper 97). Now none is one, and the load works."""
+    from torch_cp.tiny import tiny_qwen3
+
+    model = torch_cp.patch_model(tiny_qwen3())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    attn = model.model.layers[0].self_attn
+    with torch.inference_mode():
+        if call == "unpatch_model":
+            torch_cp.unpatch_model(model)
+        else:
+            attn.q_proj.weight = nn.Parameter(attn.q_proj.weight.detach().clone())
+            torch_cp.generate(model, [[1, 2, 3]], 2, progress=False)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert not [n for n, t in tensors.items() if t.is_inference()]
+    model.load_state_dict(saved)

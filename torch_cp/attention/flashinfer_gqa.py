@@ -150,7 +150,14 @@ class _GQAKernels:
         width = pages * plan.local_page_size  # slots a row can hold
         self._on_triton, self._tile = self._decode_choice(plan.is_decode, tokens, width)
         if self._on_triton:
-            self._table = staged(self._table, plan.context.table)
+            table = plan.context.table
+            if plan.bucket is not None and table.shape[1] < pages:
+                # A bucket's plan not loaded into its static buffers is only as wide as its
+                # longest row: staged at the bucket's width, the kernels a graph captured keep
+                # their tensor and row stride.
+                table = torch.nn.functional.pad(table, (0, pages - table.shape[1]),
+                                                value=plan.sink_page)
+            self._table = staged(self._table, table)
             self._lens = staged(self._lens, plan.context.lens)
             self._token_row = staged(self._token_row, plan.token_row)
             self._spare = self._triton_decode.spare_items(tokens, g.kv_heads, self._num_sms,

@@ -82,7 +82,7 @@ class BatchRuns:
         eos = checked(problems, id_tuple, eos_token_ids, "eos_token_ids")
         agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
             prompts=prompts and [list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
-            eos_token_ids=eos, logprobs=logprobs))
+            eos_token_ids=eos, logprobs=as_int(logprobs)))
         return self.run_agreed(prompts, news, sampling, eos, progress, tokenizer, logprobs)
 
     def run_agreed(self, prompts: Sequence[Sequence[int]], news: list[int],

@@ -29,6 +29,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.runtime import runtime_and_problems, runtime_of
+from torch_cp.values import as_int
 
 
 def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,
@@ -156,7 +157,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
             runtime, prefix_caching=prefix_caching), default=num_pages is None)
     eos = checked(problems, eos_ids, model, eos_token_id, tokenizer) or ()
     agree(runtime, "generate", problems, lambda: fingerprint(
-        prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=logprobs,
+        prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=as_int(logprobs),
         eos_token_id=eos_token_id, eos_token_ids=sorted(eos), num_pages=num_pages,
         page_size=page_size, max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
         compile=compile, overlap_planning=overlap_planning, prefix_caching=prefix_caching,
