@@ -61,7 +61,7 @@ def test_static_plan_keeps_addresses_and_takes_new_values(bucket):
     for name in ("lens", "indptr", "last_page_len"):
         assert torch.equal(getattr(loaded.context, name), getattr(fresh.context, name)), name
     # The plan's table is as wide as its longest row, not the bucket (planning a step over a
-    # pool of 8k pages built 64 x 8k tables: helper 96); it fills the bucket's first columns.
+    # pool of 540k pages built 64 x 540k tables: helper 96); it fills the bucket's first columns.
     assert fresh.context.table.shape == (4, 3)
     assert loaded.context.table.shape == (4, bucket.table_width)
     assert torch.equal(loaded.context.table[:, :3], fresh.context.table)
