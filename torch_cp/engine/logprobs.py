@@ -8,6 +8,7 @@ for the step launched ahead (a plain ``.item()`` of a CUDA tensor waited for bot
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ class LogprobRows:
     home: HomeBound
 
 
-def take(step: LaunchedStep, asked: dict[int, int | None]) -> LogprobRows | None:
+def take(step: LaunchedStep, asked: Mapping[int, int | None]) -> LogprobRows | None:
     """The log-probabilities of ``step``'s sampling rows whose request ``asked`` for k of them
     (request id -> k, or None for none); None when no row asks."""
     want = [(i, b) for i, b in enumerate(step.sampled)

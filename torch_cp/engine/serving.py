@@ -20,7 +20,7 @@ job cannot go on (README says how to shorten the wait).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +38,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Scheduler
-from torch_cp.engine.stops import StopStrings, stops_of
+from torch_cp.engine.stops import IDLE_KEPT, StopStrings, stops_of
 from torch_cp.values import as_int
 
 
@@ -49,6 +49,23 @@ class _Options:
     stop: int | None  # the number of its stop strings' criterion in the engine's StopStrings
     logprobs: int | None
     generator: torch.Generator | None = field(default=None, repr=False)
+
+
+class _Each(Mapping):
+    """One field of each live request's options, read through: a dict of them, built each step,
+    took a pass over every queued request (about 1 ms a step at 10k; helper 96)."""
+
+    def __init__(self, options: dict[int, _Options], name: str):
+        self._options, self._name = options, name
+
+    def __getitem__(self, request_id: int):
+        return getattr(self._options[request_id], self._name)
+
+    def __iter__(self):
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
 
 
 class Serving:
@@ -179,7 +196,7 @@ class Serving:
         """Rank 0's pending submissions and aborts, on every rank (with the stop-string
         criteria they name that it has not sent before)."""
         pending, self._pending = self._pending, []
-        if self.decides:  # the one that numbers the criteria
+        if self.decides and len(self._stop_strings) > IDLE_KEPT:  # it numbers the criteria
             self._stop_strings.forget_idle({o.stop for o in self._options.values()} | {
                 op[4].stop for op in pending if op[0] == "submit"})
         changes = self._stop_strings.unsent()
@@ -212,17 +229,16 @@ class Serving:
                 del self._options[rid]
                 self._outputs.append(RequestOutput(rid, (), True, "abort"))
 
-    def _sampling_of(self) -> dict[int, SamplingParams]:
-        return {rid: o.sampling for rid, o in self._options.items()}
+    def _sampling_of(self) -> Mapping[int, SamplingParams]:
+        return _Each(self._options, "sampling")
 
-    def _generators(self) -> dict[int, torch.Generator]:
-        return {rid: o.generator for rid, o in self._options.items()}
+    def _generators(self) -> Mapping[int, torch.Generator]:
+        return _Each(self._options, "generator")
 
     def _logprob_rows(self, step) -> None:
         """Take ``step``'s log-probabilities right after its launch, before a step launched
         ahead reuses the logits buffer (``logprobs.take``)."""
-        step.logprob_rows = logprobs.take(step, {rid: o.logprobs for rid, o in
-                                                  self._options.items()})
+        step.logprob_rows = logprobs.take(step, _Each(self._options, "logprobs"))
 
     def _token_logprobs(self) -> dict[int, tuple]:
         """Per request of the step ``_step`` just committed that asked for them: its new token's
