@@ -95,10 +95,13 @@ def new_pools(runtime: ModelRuntime, num_pages: int, page_size: int | None, stat
               call: str) -> tuple[GQAPool | MLAPool, StatePool | None]:
     """``runtime.new_pool(num_pages, page_size)`` and ``new_state_pool(runtime, state_slots)``,
     on every rank the model spans or on none (``agreement.together``: one rank out of memory
-    alone left the others in the next collective); ``call`` names the allocation."""
-    return together(runtime.spans_ranks, runtime.device, call,
-                    lambda: (runtime.new_pool(num_pages, page_size),
-                             new_state_pool(runtime, state_slots)))
+    alone left the others in the next collective); ``call`` names the allocation. Never
+    inference tensors: pools made under ``torch.inference_mode`` (a ``new_cache`` there) serve
+    steps outside it too."""
+    with torch.inference_mode(False):
+        return together(runtime.spans_ranks, runtime.device, call,
+                        lambda: (runtime.new_pool(num_pages, page_size),
+                                 new_state_pool(runtime, state_slots)))
 
 
 def runtime_of(model) -> ModelRuntime:

@@ -79,8 +79,7 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     batch_size, max_length = rows, length
     pages = batch_size * -(-max_length // size)
     install_generate(model)
-    with torch.inference_mode(False):  # a cache made under inference_mode serves a turn outside
-        pool, state = new_pools(runtime, pages, size, batch_size, "allocating the generate cache")
+    pool, state = new_pools(runtime, pages, size, batch_size, "allocating the generate cache")
     return GenerateCache(runtime, pool, batch_size, state)
 
 
