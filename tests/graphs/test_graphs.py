@@ -165,3 +165,38 @@ def test_columns_past_a_rows_pages_are_never_read(dtype):
         attention.backend.plan(p)
         out.append(attention(q, k, v, pool, p))
     assert torch.equal(out[0], out[1]) and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("limit, num_pages, width", [
+    (1024, 4096, 64),  # max_position_embeddings 1024 at page 16: 64 pages, not the pool's 4096
+    (1000, 4096, 63),  # a partial last page counts
+    (1024, 10, 10),  # never wider than the pool
+    (None, 4096, 4096),  # a config without the limit: the pool
+])
+def test_buckets_default_to_the_models_positions_not_the_whole_pool(monkeypatch, limit,
+                                                                    num_pages, width):
+    import torch_cp.graphs
+    from torch_cp.engine.steps import graph_runner
+    from torch_cp.tiny import tiny_qwen3
+
+    made = []
+
+    class Recorder:
+        def __init__(self, model, cache, buckets):
+            made.extend(buckets)
+
+        def capture(self):
+            pass
+
+    monkeypatch.setattr(torch_cp.graphs, "CUDAGraphRunner", Recorder)
+    from types import SimpleNamespace
+
+    model = (tiny_qwen3(num_hidden_layers=1, max_position_embeddings=limit) if limit
+             else SimpleNamespace(config=SimpleNamespace()))
+    cache = type("Cache", (), {"pool": type("Pool", (), {"num_pages": num_pages,
+                                                        "page_size": 16})()})()
+    graph_runner(model, cache, 8, None, (), compile=False, progress=False)
+    assert {b.table_width for b in made} == {width}
+    made.clear()
+    graph_runner(model, cache, 8, 5, (), compile=False, progress=False)  # told: kept
+    assert {b.table_width for b in made} == {5}

@@ -60,8 +60,9 @@ class Engine(BatchRuns, Serving):
             for a hybrid model, whose running requests each hold a state slot, 64).
         cuda_graphs: replay decode steps (and any ``mixed_buckets``) from CUDA graphs captured
             once per bucket; steps no bucket fits run eagerly. CUDA only.
-        max_pages_per_row: page-table width of the captured buckets (default: the whole pool);
-            a step with a longer row runs eagerly.
+        max_pages_per_row: page-table width of the captured buckets (default: the model's
+            ``max_position_embeddings`` in pages, at most the pool); a step with a longer row
+            runs eagerly.
         mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
         compile: run every decoder layer compiled (``torch.compile``, fullgraph; the layers
             share their compiled graphs, see ``compiled_layers``), in the captured steps and in
@@ -151,7 +152,7 @@ class Engine(BatchRuns, Serving):
         self._announce_compile = compile  # the first step outside the buckets compiles again
         self.runner = graph_runner(
             model, self.cache, min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS),
-            max_pages_per_row or num_pages, mixed_buckets, compile, progress) if cuda_graphs \
+            max_pages_per_row, mixed_buckets, compile, progress) if cuda_graphs \
             else None
         self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
         self._serving_init()

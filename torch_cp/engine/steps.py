@@ -18,21 +18,23 @@ from dataclasses import dataclass
 import torch
 
 from torch_cp.compat import cache_kwarg
-from torch_cp.engine.feedback import status
+from torch_cp.engine.feedback import max_positions, status
 from torch_cp.engine.scheduler import Row
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.layers import decoder_layers
 from torch_cp.plan import StepPlan, build_step_plan
 
 
-def graph_runner(model, cache: PagedKVCache, rows: int, table_width: int,
+def graph_runner(model, cache: PagedKVCache, rows: int, table_width: int | None,
                     mixed_buckets, compile: bool, progress: bool):
     """A ``CUDAGraphRunner`` with every decode bucket up to ``rows`` rows (and
     ``mixed_buckets``) captured, the decoder layers compiled first with ``compile``; status
-    lines while it works (``progress``)."""
+    lines while it works (``progress``). ``table_width``: pages of a bucket's row (None:
+    ``default_table_width``)."""
     from torch_cp.graphs import CUDAGraphRunner, compiled_layers, default_buckets
 
-    buckets = default_buckets(rows, table_width, mixed_buckets)
+    width = table_width or default_table_width(model, cache.pool.num_pages, cache.pool.page_size)
+    buckets = default_buckets(rows, width, mixed_buckets)
     runner = CUDAGraphRunner(model, cache, buckets)
     status(f"capturing CUDA graphs of {len(buckets)} step buckets" + (
         ", compiling the decoder layers first (torch.compile: minutes)" if compile else ""),
@@ -42,6 +44,16 @@ def graph_runner(model, cache: PagedKVCache, rows: int, table_width: int,
         runner.capture()
     status(f"captured in {time.perf_counter() - began:.1f} s", progress)
     return runner
+
+
+def default_table_width(model, num_pages: int, page_size: int) -> int:
+    """Pages of a captured bucket's row when the engine is not told: the model's
+    ``max_position_embeddings`` in pages, at most the pool. The whole pool would size every
+    bucket's static table and the backends' page-id buffers at rows x pool pages (64 rows over a
+    pool of 540k pages: about 0.3 GB of int32 ids in the tables alone); a longer row runs
+    eagerly."""
+    limit = max_positions(model)
+    return num_pages if not limit else min(num_pages, -(-limit // page_size))
 
 
 def row_key(rows: Sequence[Row]) -> tuple[tuple[int, int, int], ...]:
