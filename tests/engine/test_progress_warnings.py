@@ -7,6 +7,7 @@ import importlib.util
 import io
 import re
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,6 +137,27 @@ def test_requests_past_max_position_embeddings_warn_and_still_run():
         warnings.simplefilter("always")
         torch_cp.generate(model, [PROMPT[:24]], 8, progress=False)  # exactly 32: no warning
     assert engine_warnings(record) == []
+
+
+def test_scaled_rope_counts_its_factor_times_the_original_positions():
+    """A YaRN config keeps max_position_embeddings at the trained length (Qwen3 at 128k: 40960)
+    while the model is meant for the factor times the original length."""
+    yarn = dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=16,
+                rope_theta=10000.0)
+    model = torch_cp.patch_model(tiny_qwen3(max_position_embeddings=16, rope_parameters=yarn))
+    assert feedback.max_positions(model) == 32
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch_cp.generate(model, [PROMPT[:24]], 8, progress=False)  # 32: within 2 x 16
+    assert engine_warnings(record) == []
+    with pytest.warns(PositionLimitWarning, match=r"positions with its scaled RoPE \(32\): "
+                                                  r"request 0 \(33\)"):
+        torch_cp.generate(model, [PROMPT[:25]], 8, progress=False)
+    model.config.rope_parameters = dict(yarn, factor=1.0)
+    assert feedback.max_positions(model) == 16
+    for odd in (None, -1, 40960.0):  # no usable limit: nothing counted, every row captured
+        config = SimpleNamespace(max_position_embeddings=odd, rope_parameters=yarn)
+        assert feedback.max_positions(SimpleNamespace(config=config)) is None
 
 
 def test_submit_warns_as_run_does_and_generate_stream_once_for_the_batch():

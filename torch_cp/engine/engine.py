@@ -61,8 +61,8 @@ class Engine(BatchRuns, Serving):
         cuda_graphs: replay decode steps (and any ``mixed_buckets``) from CUDA graphs captured
             once per bucket; steps no bucket fits run eagerly. CUDA only.
         max_pages_per_row: page-table width of the captured buckets (default: the model's
-            ``max_position_embeddings`` in pages, at most the pool); a step with a longer row
-            runs eagerly.
+            positions in pages, at most the pool: ``max_position_embeddings``, or the scaled
+            RoPE's factor times its original length); a step with a longer row runs eagerly.
         mixed_buckets: (rows, tokens) shapes of multi-token steps to capture too.
         compile: run every decoder layer compiled (``torch.compile``, fullgraph; the layers
             share their compiled graphs, see ``compiled_layers``), in the captured steps and in

@@ -61,26 +61,44 @@ def warn_ignored_sampling(sampling: SamplingParams) -> None:
 
 
 def max_positions(model) -> int | None:
-    """The text config's ``max_position_embeddings`` (None when the config has none)."""
+    """The positions the model is meant for: the text config's ``max_position_embeddings`` or,
+    where its RoPE is scaled by a ``factor`` (YaRN, linear, dynamic: Qwen3 at 128k keeps 40960
+    there), that factor times the original length when longer. None when the config has no
+    positive int limit."""
+    text = _text_config(model)
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit < 1:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        original = rope.get("original_max_position_embeddings")
+        limit = max(limit, int(factor * (original if isinstance(original, int) else limit)))
+    return limit
+
+
+def _text_config(model):
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "max_position_embeddings", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def warn_past_positions(model, requests: Iterable[Request]) -> None:
     """One warning for every request whose prompt + max_new_tokens exceeds the model's
-    ``max_position_embeddings``; they still run."""
+    positions (``max_positions``); they still run."""
     limit = max_positions(model)
-    if not isinstance(limit, int):
+    if limit is None:
         return
     long = {r.index: len(r.prompt) + r.max_new_tokens for r in requests
             if len(r.prompt) + r.max_new_tokens > limit}
     if long:
+        raw = getattr(_text_config(model), "max_position_embeddings", None)
+        what = (f"max_position_embeddings ({limit})" if limit == raw
+                else f"positions with its scaled RoPE ({limit})")
         shown = ", ".join(f"request {i} ({n})" for i, n in list(long.items())[:8])
         warn(f"{len(long)} request(s) need more positions (prompt + max_new_tokens) than the "
-             f"model's max_position_embeddings ({limit}): {shown}"
-             f"{', ...' if len(long) > 8 else ''}. They still run, but the model was not trained "
-             f"on positions past {limit} and its output may degrade there; shorten the prompt "
+             f"model's {what}: {shown}"
+             f"{', ...' if len(long) > 8 else ''}. They still run, but the model is not meant for "
+             f"positions past {limit} and its output may degrade there; shorten the prompt "
              f"or max_new_tokens to stay within it",
              PositionLimitWarning)
 
