@@ -14,6 +14,7 @@ from torch_cp.engine import Engine, generation
 from torch_cp.engine import engine as engine_module
 from torch_cp.engine.sampling import SamplingParams, greedy_tokens, sample, scaled_logits
 from torch_cp.layers import decoder_layers
+from torch_cp.tiny import tiny_qwen3
 
 PROMPTS = [[42], [200, 3, 150, 7, 99], list(range(1, 20)), [(7 * i) % 300 + 1 for i in range(40)]]
 NEW = 4
@@ -243,15 +244,19 @@ def test_the_default_pool_is_capped_by_free_host_memory(model, monkeypatch):
 
 def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch):
     """The cap is half the free host memory less the state pool the engine allocates beside the
-    KV pool (running requests' slots and, with prefix caching, as many checkpoints), less the
-    KV pool's sink page."""
+    KV pool (running requests' slots, one per request of the batch, and, with prefix caching,
+    as many checkpoints), less the KV pool's sink page."""
     from torch_cp.engine import memory
     from torch_cp.tiny import tiny_qwen3_5
 
     hybrid = torch_cp.patch_model(tiny_qwen3_5(), page_size=16)
     runtime = hybrid.torch_cp
-    state = engine_module.state_pool_bytes(runtime, prefix_caching=True)
-    assert state == Engine(hybrid, num_pages=1, prefix_caching=True).state_bytes
+    state = engine_module.state_pool_bytes(runtime, 2, prefix_caching=True)  # 2 requests
+    assert state == Engine(hybrid, num_pages=1, max_rows=2, prefix_caching=True).state_bytes
+    assert state < engine_module.state_pool_bytes(runtime, prefix_caching=True) / 16  # 64 rows'
+    made = []
+    monkeypatch.setattr(generation, "Engine", lambda *a, **k: made.append(Engine(*a, **k))
+                        or made[-1])
     per_page = memory.pool_bytes_per_page(runtime, 16)
     free = 2 * (state + 11 * per_page)  # 10 pages and the sink page
     monkeypatch.setattr(memory, "free_host_bytes", lambda: free)
@@ -259,6 +264,7 @@ def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch
                                 prefix_caching=True, progress=False)
     assert [r.ok for r in results] == [True, False]
     assert "at most 10 pages" in results[1].error
+    assert made[0].state_bytes == state  # helper 98: 64 rows' slots for any batch
 
 
 # --- Engine arguments ---
@@ -359,3 +365,33 @@ def test_mixed_buckets_the_mla_planner_refuses_are_named_before_allocation(model
     with pytest.raises(ValueError) as e:
         Engine(model, num_pages=4, cuda_graphs=True, mixed_buckets=[(4, 8192), (4, 16384)])
     assert str(e.value).count("mixed bucket (") == 1 and refused[0] in str(e.value)
+
+
+def test_an_engine_refuses_a_model_changed_since_it_was_made():
+    """An engine made before the model was cast ran on (bf16 compute over its fp32 pool), and
+    one made before an unpatch and patch again failed on an internal assertion (helper 98):
+    both are named at ``run`` and ``submit``, and nothing is queued."""
+    model = torch_cp.patch_model(tiny_qwen3(num_hidden_layers=1))
+    engine = Engine(model, **ENGINE)
+    model.to(torch.bfloat16)
+    for call in (lambda: engine.run(PROMPTS[:1], NEW), lambda: engine.submit(PROMPTS[0], NEW)):
+        with pytest.raises(ValueError, match="cast to torch.bfloat16 after torch_cp.patch_m"):
+            call()
+    assert not engine.has_unfinished()
+    torch_cp.unpatch_model(model)
+    torch_cp.patch_model(model.to(torch.float32))
+    for call in (lambda: engine.run(PROMPTS[:1], NEW), lambda: engine.submit(PROMPTS[0], NEW)):
+        with pytest.raises(ValueError, match="patched again after this Engine was made for it"):
+            call()
+    assert _tokens(Engine(model, **ENGINE).run(PROMPTS[:1], NEW))  # a new engine runs
+
+
+def test_a_base_model_without_its_head_is_refused_before_allocation(monkeypatch):
+    """A patched base model (no LM head) allocated its pool and failed in the first step on
+    ``out.logits`` (helper 98)."""
+    base = torch_cp.patch_model(tiny_qwen3(num_hidden_layers=1).model)
+    monkeypatch.setattr(base.torch_cp, "new_pool", _meta_pools_only(base.torch_cp))
+    for call in (lambda: Engine(base, **ENGINE),
+                 lambda: torch_cp.generate(base, PROMPTS[:1], NEW, progress=False)):
+        with pytest.raises(ValueError, match="Qwen3Model has no LM head"):
+            call()

@@ -354,6 +354,11 @@ def test_bad_options_are_refused_at_submit_each_named_and_nothing_queued():
         assert named in str(caught.value)
     with pytest.raises(ValueError, match="stop_strings need a tokenizer, got a str"):
         e.submit(PROMPTS[1], NEW, stop_strings="x", tokenizer="not a tokenizer")
+    # tokenizers' own class has get_vocab but not transformers' API (helper 98: a TypeError
+    # from inside the next step)
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer, got a Tokenizer"):
+        e.submit(PROMPTS[1], NEW, stop_strings="x",
+                 tokenizer=tiny_tokenizer().backend_tokenizer)
     for k in (True, -1, 2.0):
         with pytest.raises(ValueError, match="logprobs"):
             e.submit(PROMPTS[1], NEW, logprobs=k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch_cp.agreement import agree, fingerprint
-from torch_cp.engine.checks import checked
+from torch_cp.engine.checks import checked, model_problems
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Result,
@@ -44,10 +44,12 @@ class BatchRuns:
         (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
         ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
         ``logprobs=k``: each ``Result`` carries every generated token's log-probability and the
-        k most likely tokens' (``RequestOutput.logprobs``).
+        k most likely tokens' (``RequestOutput.logprobs``). ``eos_token_ids``: the ids that end
+        a request (none by default, unlike ``generate``, which stops at the model's EOS).
         Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
-        (``PositionLimitWarning``) of requests past ``max_position_embeddings``. A step that
-        raises (KeyboardInterrupt too) ends the call with that exception, every page returned.
+        (``PositionLimitWarning``) of requests past the model's positions (``max_positions``).
+        A step that raises (KeyboardInterrupt too) ends the call with that exception, every
+        page returned.
         """
         problems = []  # the prompts' named in the run's one gather, on every rank
         token_prompts = checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
@@ -72,6 +74,7 @@ class BatchRuns:
             raise RuntimeError("requests submitted with Engine.submit are unfinished (or have "
                                "outputs not yet taken): step until has_unfinished() is False "
                                "before Engine.run (an abort() ends a request at the next step)")
+        problems += model_problems(self.model, self.runtime)  # cast, moved or patched again
         problems += filter(None, [logprobs_problem(logprobs, vocab_size(self.model))])
         if sampling is None:  # greedy, as submit takes it
             sampling = GREEDY

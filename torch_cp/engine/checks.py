@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_cp.placement import page_size_problems
+from torch_cp.runtime import runtime_and_problems
 
 
 def _positive_int(value) -> bool:
@@ -27,6 +28,22 @@ def checked(problems: list[str], make, *args):
     except Exception as e:  # noqa: BLE001 (named, as a problem, on every rank)
         problems.append(f"{type(e).__name__}: {e}")
     return None
+
+
+def model_problems(model, runtime) -> list[str]:
+    """What stops an engine made for ``runtime`` (``model.torch_cp`` when it was made) running
+    ``model`` now: patched again or unpatched since, cast or moved after patching
+    (``runtime_and_problems``), or no LM head to give logits (a base model)."""
+    if getattr(model, "torch_cp", None) is not runtime:
+        return ["the model was unpatched or patched again after this Engine was made for it: "
+                "make a new Engine"]
+    problems = runtime_and_problems(model)[1]
+    head = getattr(model, "get_output_embeddings", None)
+    if not callable(head) or head() is None:
+        problems.append(f"{type(model).__name__} has no LM head, so no logits to sample from: "
+                        f"patch and run the model with its head (AutoModelForCausalLM), not "
+                        f"its base model")
+    return problems
 
 
 def _bucket_problems(mixed_buckets) -> list[str]:

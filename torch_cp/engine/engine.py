@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch_cp.agreement import across_ranks, agree_over, fingerprint
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
-from torch_cp.engine.checks import engine_problems, positive_ints
+from torch_cp.engine.checks import engine_problems, model_problems, positive_ints
 from torch_cp.engine.feedback import status
 from torch_cp.engine.memory import (
     DEFAULT_GRAPH_ROWS,
@@ -40,7 +40,7 @@ from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
-from torch_cp.runtime import new_pools, runtime_and_problems
+from torch_cp.runtime import new_pools, runtime_of
 
 DEFAULT_TOKENS_PER_STEP = 2048
 
@@ -100,8 +100,7 @@ class Engine(BatchRuns, Serving):
                  overlap_planning: bool = False, progress: bool = False,
                  prefix_caching: bool = False, state_checkpoints: int | None = None, *,
                  _agreed: bool = False):
-        self.model = model
-        self.runtime, cast = runtime_and_problems(model)
+        self.model, self.runtime = model, runtime_of(model)
         page_size = self.runtime.page_size if page_size is None else page_size
         hybrid = self.runtime.linear is not None
         arguments = dict(num_pages=num_pages, page_size=page_size,
@@ -110,9 +109,9 @@ class Engine(BatchRuns, Serving):
                          mixed_buckets=mixed_buckets, compile=compile,
                          overlap_planning=overlap_planning, prefix_caching=prefix_caching,
                          state_checkpoints=state_checkpoints)
-        problems = cast + engine_problems(**arguments, partners=self.runtime.placement.size,
-                                          device=self.runtime.device, hybrid=hybrid,
-                                          backend=self.runtime.backend)
+        problems = model_problems(model, self.runtime) + engine_problems(
+            **arguments, partners=self.runtime.placement.size, device=self.runtime.device,
+            hybrid=hybrid, backend=self.runtime.backend)
         if (positive_ints(num_pages) and not _agreed
                 and not self.runtime.placement.page_size_problems(page_size)):
             # Named beside the other problems (this rank's free memory; the gather below names

@@ -6,10 +6,11 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from torch_cp.agreement import agree, fingerprint
-from torch_cp.engine.checks import checked, engine_problems, positive_ints
+from torch_cp.engine.checks import checked, engine_problems, model_problems, positive_ints
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import (
+    DEFAULT_GRAPH_ROWS,
     default_num_pages,
     lifetime_pages,
     memory_cap_pages,
@@ -28,7 +29,7 @@ from torch_cp.engine.requests import (
     vocab_size,
 )
 from torch_cp.engine.sampling import SamplingParams
-from torch_cp.runtime import runtime_and_problems, runtime_of
+from torch_cp.runtime import runtime_of
 from torch_cp.values import as_int
 
 
@@ -50,6 +51,14 @@ def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], pag
     width = 1 << (widest - 1).bit_length()
     return Engine(model, num_pages, page_size, max_pages_per_row=min(width, num_pages),
                   **engine_kwargs), cap
+
+
+def batch_rows(prompts: Sequence | None) -> int | None:
+    """``max_rows`` of the engine ``generate`` makes for ``prompts``: their count where it is
+    below ``DEFAULT_GRAPH_ROWS`` (captured buckets, and a hybrid model's state slots, for the
+    batch: one prompt took 66 state slots, about 1.6 GB for Qwen3.5-9B), else None (no limit;
+    a hybrid model's default)."""
+    return len(prompts) if prompts and len(prompts) < DEFAULT_GRAPH_ROWS else None
 
 
 def _state_reserve(model, engine_kwargs: dict) -> int:
@@ -136,7 +145,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
             arguments that differ between ranks (every rank passes the same).
     """
     # every problem named at once, before anything is allocated (on every rank: agree below)
-    runtime, problems = runtime_and_problems(model)
+    runtime = runtime_of(model)
+    problems = model_problems(model, runtime)
     page_size = runtime.page_size if page_size is None else page_size
     sampling = checked(problems, SamplingParams, temperature, top_k, top_p, seed)
     token_prompts = checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
@@ -154,7 +164,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         # this rank's memory, no collective; None: the default pool's first page must fit
         # beside the state pool (helper 87: it was allocated, and failed, instead)
         problems += pool_fit_problems(runtime, page_size, num_pages or 1, state_pool_bytes(
-            runtime, prefix_caching=prefix_caching), default=num_pages is None)
+            runtime, batch_rows(token_prompts), prefix_caching), default=num_pages is None)
     eos = checked(problems, eos_ids, model, eos_token_id, tokenizer) or ()
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=as_int(logprobs),
@@ -164,7 +174,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         stream=stream))
     lives = [max(n, 1) for n in news]
     engine, cap = engine_for(model, token_prompts, lives, page_size, num_pages,
-                             max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
+                             max_tokens_per_step=max_tokens_per_step,
+                             max_rows=batch_rows(token_prompts), cuda_graphs=cuda_graphs,
                              compile=compile, overlap_planning=overlap_planning,
                              progress=progress, prefix_caching=prefix_caching,
                              _agreed=True)  # its arguments: agreed above

@@ -11,6 +11,8 @@ under a new number, when a request names it again).
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
+
 from torch_cp.engine.checks import checked
 from torch_cp.engine.requests import id_tuple
 
@@ -21,9 +23,12 @@ def stops_of(stop_token_ids, stop_strings, tokenizer, problems: list[str]
     string, as transformers takes them; None is none), each problem added to ``problems``."""
     ids = checked(problems, id_tuple, stop_token_ids, "stop_token_ids") or ()
     strings = _as_tuple(stop_strings, str)
-    if (strings or stop_strings) and not callable(getattr(tokenizer, "get_vocab", None)):
+    if (strings or stop_strings) and not isinstance(tokenizer, PreTrainedTokenizerBase):
+        # StopStringCriteria reads the vocabulary through transformers' tokenizer API (a
+        # ``tokenizers.Tokenizer`` has get_vocab but not that API: a TypeError at the step)
         problems.append("stop_strings need a tokenizer" + (
-            "" if tokenizer is None else f", got a {type(tokenizer).__name__}"))
+            "" if tokenizer is None else f", got a {type(tokenizer).__name__}")
+            + " (a transformers one, as AutoTokenizer gives)")
     if strings is None or not all(isinstance(t, str) and t for t in strings):
         problems.append(f"stop_strings must be a non-empty str or such strs, got "
                         f"{stop_strings!r}")

@@ -14,8 +14,9 @@ build one).
 ``generate`` refuses unknown keyword arguments, so the pool cannot be sized through it: it is sized
 from generate's own batch size and ``max_length`` (``new_cache`` sizes it explicitly). A cache
 given back for a conversation's next turn (the last call's ``cache`` / ``past_key_values``, with
-the whole conversation or only its new tokens as ``input_ids``, and the whole conversation's
-mask) grows as the call needs; a mask that zeros a column the cache holds as real is refused
+the whole conversation or only the tokens the cache does not hold as ``input_ids``: the last
+call's final token, never fed, leads them; and the whole conversation's mask) grows as the
+call needs; a mask that zeros a column the cache holds as real is refused
 (the pool attends every cached token). As with transformers' caches, a prompt's cache can be
 filled by a plain forward (``model(ids, cache=cache)``) and generated from, ``copy.deepcopy``
 gives a cache its own pool (one prompt, several continuations), and ``inputs_embeds`` may
