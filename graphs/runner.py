@@ -183,6 +183,6 @@ def _copy_in(dst: torch.Tensor, values: Sequence[int] | torch.Tensor) -> None:
     """A stream-ordered copy into a static input. Host values go through pinned memory: a copy
     from pageable memory would first wait for every replay still queued on the stream."""
     src = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-    if src.device.type == "cpu":
+    if src.device.type == "cpu" and dst.device.type == "cuda":
         src = src.pin_memory()
     dst.copy_(src, non_blocking=True)

@@ -1,0 +1,58 @@
+"""Captured buckets stood in for on the CPU: ``EagerReplayRunner`` is the engine's
+``CUDAGraphRunner`` (its buckets, one ``StaticPlan`` per bucket, ``prepare`` loading each step's
+plan into the bucket's static buffers and ``launch`` filling its static inputs) whose "capture"
+makes the buffers and whose "replay" runs the model eagerly over them into a fixed logits buffer,
+as a graph reads and writes its static tensors. What a CPU cannot show (stream order, the graph's
+frozen kernels) the GPU tests do; what it can (stale static buffers, padding rows and columns,
+a step launched ahead over reused buffers) the engine then meets on every CI run."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_cp.engine.steps import StepLauncher
+from torch_cp.graphs.runner import CUDAGraphRunner
+from torch_cp.graphs.static_plan import StaticPlan
+
+
+class _EagerGraph:
+    def __init__(self, runner: EagerReplayRunner, captured: _Captured):
+        self.runner, self.captured = runner, captured
+
+    def replay(self) -> None:
+        c = self.captured
+        logits = self.runner._forward(c)
+        if c.logits is None:
+            c.logits = logits.clone()
+        else:
+            c.logits.copy_(logits)
+
+
+class _Captured:
+    def __init__(self, runner: EagerReplayRunner, bucket, static: StaticPlan):
+        self.bucket, self.static = bucket, static
+        self.input_ids = torch.zeros(1, bucket.tokens, dtype=torch.long)
+        self.logit_tokens = torch.zeros(bucket.rows, dtype=torch.long)
+        self.logits = None
+        self.graph = _EagerGraph(runner, self)
+
+
+class EagerReplayRunner(CUDAGraphRunner):
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for bucket in sorted(self.buckets, reverse=True):
+            self.cache.runtime.backend.add_bucket(bucket)
+            c = _Captured(self, bucket, StaticPlan(self._plan(bucket, [], [], [])))
+            self.cache.begin_step(c.static.plan)
+            c.graph.replay()  # a capture step: every row padding, writing the sink page only
+            self.captured[bucket] = c
+
+
+def with_eager_buckets(engine, buckets) -> EagerReplayRunner:
+    """``engine`` (made without ``cuda_graphs``) stepping through ``buckets`` as a captured
+    engine does: steps a bucket fits replay it, the others run eagerly."""
+    runner = EagerReplayRunner(engine.model, engine.cache, buckets)
+    runner.capture()
+    engine.runner = runner
+    engine.launcher = StepLauncher(engine.model, engine.cache, runner)
+    return runner
