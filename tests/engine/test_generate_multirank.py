@@ -45,6 +45,20 @@ def _generate(model):
             engine.kv_bytes, engine.allocator.free_pages)
 
 
+def _through_buckets(model) -> tuple[list, int, int]:
+    """(tokens, steps replayed, free pages after) of an engine stepping through buckets
+    (``cpu_graphs``: the runner's static plans replayed by an eager forward), launching ahead:
+    padding rows and stale table columns exchanged between the partners too."""
+    from cpu_graphs import with_eager_buckets
+
+    from torch_cp.graphs import default_buckets
+
+    engine = Engine(model, PAGES, PAGE, BUDGET, overlap_planning=True)
+    with_eager_buckets(engine, default_buckets(4, 8, mixed=[(4, BUDGET)]))
+    tokens = [r.token_ids for r in engine.run(PROMPTS, NEW)]
+    return tokens, engine.replayed_steps, engine.allocator.free_pages
+
+
 def _pool_cap(model, rank: int) -> int:
     """The default pool's page cap when the ranks see different free host memory."""
     from torch_cp.engine import memory
@@ -77,6 +91,7 @@ def _ranks(rank: int, world_size: int):
         out[f"{mode} overlap"] = (tokens, engine.launched_ahead_steps,
                                   [(r.op, r.shape) for r in records])
         out[f"{mode} pool cap"] = _pool_cap(model, rank)
+        out[f"{mode} buckets"] = _through_buckets(model)
     mesh = init_mesh(tp=2, sp=1, device_type="cpu")
     model = torch_cp.patch_model(tiny_qwen3(), mesh=mesh, page_size=PAGE)
     assert model.torch_cp.placement.size == 1 and model.torch_cp.tp == 2
@@ -373,6 +388,14 @@ def test_greedy_tokens_equal_p1_and_hf(ranks, single, hf, mode):
         tokens, reasons = per_mode[mode][:2]
         assert tokens == hf, f"rank {rank}"
         assert reasons == single[1], f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", MESHES)
+def test_steps_through_buckets_give_the_same_tokens(ranks, hf, mode):
+    for rank, per_mode in enumerate(ranks):
+        tokens, replayed, free = per_mode[f"{mode} buckets"]
+        assert tokens == hf, f"rank {rank}"
+        assert replayed >= 8 and free == PAGES, f"rank {rank}"
 
 
 @pytest.mark.parametrize("mode", [*MESHES, "tp, no cp"])

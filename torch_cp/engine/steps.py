@@ -49,10 +49,9 @@ def graph_runner(model, cache: PagedKVCache, rows: int, table_width: int | None,
 def default_table_width(model, num_pages: int, page_size: int) -> int:
     """Pages of a captured bucket's row when the engine is not told: the model's positions
     (``feedback.max_positions``: ``max_position_embeddings``, or more with scaled RoPE) in
-    pages, at most the pool. The whole pool would size every
-    bucket's static table and the backends' page-id buffers at rows x pool pages (64 rows over a
-    pool of 540k pages: about 0.3 GB of int32 ids in the tables alone); a longer row runs
-    eagerly."""
+    pages, at most the pool; a longer row runs eagerly. The whole pool would size every
+    bucket's static table and the backends' page-id buffers at rows x pool pages (64 rows over
+    a pool of 540k pages: about 0.3 GB of int32 ids in the tables alone)."""
     limit = max_positions(model)
     return num_pages if not limit else min(num_pages, -(-limit // page_size))
 
