@@ -150,11 +150,12 @@ def test_a_forward_without_a_cache_names_the_cache_that_works():
     """The error pointed at ``PagedKVCache.for_model``, whose forward then failed for want of a
     plan (helper 98); the cache it names now runs a forward of one's own, as the unpatched
     model computes it."""
+    from torch_cp.compat import cache_kwarg
     from torch_cp.tiny import tiny_qwen3
 
     reference, model = tiny_qwen3(), torch_cp.patch_model(tiny_qwen3())
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(TypeError, match=r"torch_cp.new_cache\(model, batch_size, max_length\)"):
         model(ids)
-    logits = model(ids, past_key_values=torch_cp.new_cache(model, 1, 8)).logits
+    logits = model(ids, **{cache_kwarg(model): torch_cp.new_cache(model, 1, 8)}).logits
     torch.testing.assert_close(logits, reference(ids).logits)

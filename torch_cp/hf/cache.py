@@ -132,9 +132,9 @@ def paged_cache_from(cache) -> PagedKVCache:
     anything else (e.g. the ``DynamicCache`` transformers builds when none is passed)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(
-            f"a model patched by torch_cp needs its own cache, got {type(cache).__name__}: for "
-            f"a forward of your own pass past_key_values=torch_cp.new_cache(model, batch_size, "
-            f"max_length) (it plans each forward from its inputs, as model.generate's does)")
+            f"a model patched by torch_cp needs a PagedKVCache, got {type(cache).__name__}: for "
+            f"a forward of your own pass torch_cp.new_cache(model, batch_size, max_length) as "
+            f"its cache (it plans each forward from its inputs, as model.generate's does)")
     if cache.plan is None:
         raise RuntimeError("PagedKVCache.begin_step(plan) must run before the forward (for a "
                            "forward of your own, torch_cp.new_cache(model, batch_size, "
