@@ -138,17 +138,22 @@ def runtime_and_problems(model) -> tuple[ModelRuntime, list[str]]:
     every rank's problems together (``torch_cp.agreement``)."""
     runtime = runtime_of(model)
     fuse_replaced(model)
+    return runtime, cast_problems(model, runtime)
+
+
+def cast_problems(model, runtime: ModelRuntime) -> list[str]:
+    """The model cast or moved since ``patch_model`` made ``runtime``, as a problem (or none)."""
     dtype, device = model_dtype_device(model)
     if dtype is None:
-        return runtime, []
+        return []
     changes = []
     if dtype != runtime.dtype:
         changes.append(f"cast to {dtype}")
     if _indexed(device) != _indexed(runtime.device):
         changes.append(f"moved to {device}")
     if not changes:
-        return runtime, []
-    return runtime, [f"the model was {' and '.join(changes)} after torch_cp.patch_model, which "
+        return []
+    return [f"the model was {' and '.join(changes)} after torch_cp.patch_model, which "
                      f"built its pools and attention backend for {runtime.dtype} on "
                      f"{runtime.device}: cast and move the model before patching it (or "
                      f"unpatch_model, cast, and patch again)"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_cp.placement import page_size_problems
-from torch_cp.runtime import runtime_and_problems
+from torch_cp.runtime import cast_problems, runtime_and_problems
 
 
 def _positive_int(value) -> bool:
@@ -30,13 +30,23 @@ def checked(problems: list[str], make, *args):
     return None
 
 
-def model_problems(model, runtime) -> list[str]:
+def changed_model_problems(model, runtime) -> list[str]:
     """What stops an engine made for ``runtime`` (``model.torch_cp`` when it was made) running
-    ``model`` now: patched again or unpatched since, cast or moved after patching
-    (``runtime_and_problems``), or no LM head to give logits (a base model)."""
+    ``model`` now: patched again or unpatched since, or cast or moved after patching. Cheap
+    (``submit`` asks it of every request)."""
     if getattr(model, "torch_cp", None) is not runtime:
         return ["the model was unpatched or patched again after this Engine was made for it: "
                 "make a new Engine"]
+    return cast_problems(model, runtime)
+
+
+def model_problems(model, runtime) -> list[str]:
+    """``changed_model_problems``, after fusing again the linears whose parameters were
+    replaced (``runtime_and_problems``; a pass over every module), and a model without an LM
+    head to give logits (a base model)."""
+    problems = changed_model_problems(model, runtime)
+    if problems:
+        return problems
     problems = runtime_and_problems(model)[1]
     head = getattr(model, "get_output_embeddings", None)
     if not callable(head) or head() is None:

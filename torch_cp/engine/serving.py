@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torch_cp.engine import logprobs
-from torch_cp.engine.checks import model_problems
+from torch_cp.engine.checks import changed_model_problems
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.requests import (
     Request,
@@ -94,7 +94,7 @@ class Serving:
         ``"stop"``; ``generate(stream=True)`` passes them). Warns as ``run`` does (top_k or
         top_p at temperature 0, a request past ``max_position_embeddings``) unless
         ``warn=False`` (a caller that warned for the whole batch)."""
-        problems = model_problems(self.model, self.runtime)  # cast, moved or patched again
+        problems = changed_model_problems(self.model, self.runtime)
         stop_token_ids, stop_strings = stops_of(stop_token_ids, stop_strings, tokenizer, problems)
         token_ids = token_ids_of(prompt)
         if token_ids is None:
