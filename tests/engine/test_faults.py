@@ -373,11 +373,21 @@ def test_an_engine_refuses_a_model_changed_since_it_was_made():
     both are named at ``run`` and ``submit``, and nothing is queued."""
     model = torch_cp.patch_model(tiny_qwen3(num_hidden_layers=1))
     engine = Engine(model, **ENGINE)
+    want = _tokens(engine.run(PROMPTS[:1], NEW))
     model.to(torch.bfloat16)
     for call in (lambda: engine.run(PROMPTS[:1], NEW), lambda: engine.submit(PROMPTS[0], NEW)):
         with pytest.raises(ValueError, match="cast to torch.bfloat16 after torch_cp.patch_m"):
             call()
-    assert not engine.has_unfinished()
+    model.to(torch.float32)
+    engine.submit(PROMPTS[0], NEW)
+    model.to(torch.bfloat16)  # after a submit: its steps are refused, the request kept (helper 100)
+    for call in (engine.step, lambda: next(engine.stream())):
+        with pytest.raises(ValueError, match="cast to torch.bfloat16 after torch_cp.patch_m"):
+            call()
+    model.to(torch.float32)
+    streamed = [t for out in engine.stream() for t in out.token_ids]
+    assert [tuple(streamed)] == want and not engine.has_unfinished()
+    model.to(torch.bfloat16)
     torch_cp.unpatch_model(model)
     torch_cp.patch_model(model.to(torch.float32))
     for call in (lambda: engine.run(PROMPTS[:1], NEW), lambda: engine.submit(PROMPTS[0], NEW)):

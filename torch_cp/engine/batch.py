@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch_cp.agreement import agree, fingerprint
 from torch_cp.engine.checks import checked, model_problems
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
+from torch_cp.engine.options import Options
 from torch_cp.engine.requests import (
     Result,
     id_tuple,
@@ -20,7 +21,6 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.engine.scheduler import Scheduler
-from torch_cp.engine.serving import _Options
 from torch_cp.values import as_int
 
 GREEDY = SamplingParams()
@@ -104,7 +104,7 @@ class BatchRuns:
         eos = frozenset(eos_token_ids)
         generators = {r.index: sampling.generator(r.index) for r in scheduler.waiting}
         if logprobs is not None:  # the rows whose log-probabilities the steps take
-            self._options = {r.index: _Options(sampling, frozenset(), None, as_int(logprobs))
+            self._options = {r.index: Options(sampling, frozenset(), None, as_int(logprobs))
                              for r in scheduler.waiting}
         token_logprobs = {r.index: [] for r in scheduler.waiting}
         try:

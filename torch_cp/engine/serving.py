@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from torch_cp.engine import logprobs
 from torch_cp.engine.checks import changed_model_problems
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
+from torch_cp.engine.options import Each, Options
 from torch_cp.engine.requests import (
     Request,
     RequestOutput,
@@ -43,38 +43,12 @@ from torch_cp.engine.stops import IDLE_KEPT, StopStrings, stops_of
 from torch_cp.values import as_int
 
 
-@dataclass
-class _Options:
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    stop: int | None  # the number of its stop strings' criterion in the engine's StopStrings
-    logprobs: int | None
-    generator: torch.Generator | None = field(default=None, repr=False)
-
-
-class _Each(Mapping):
-    """One field of each live request's options, read through: a dict of them, built each step,
-    took a pass over every queued request (about 1 ms a step at 10k; helper 96)."""
-
-    def __init__(self, options: dict[int, _Options], name: str):
-        self._options, self._name = options, name
-
-    def __getitem__(self, request_id: int):
-        return getattr(self._options[request_id], self._name)
-
-    def __iter__(self):
-        return iter(self._options)
-
-    def __len__(self) -> int:
-        return len(self._options)
-
-
 class Serving:
     """``submit`` / ``step`` / ``stream`` / ``abort`` (mixed into ``Engine``)."""
 
     def _serving_init(self) -> None:
         self._scheduler: Scheduler | None = None
-        self._options: dict[int, _Options] = {}
+        self._options: dict[int, Options] = {}
         self._stop_strings = StopStrings()
         self._pending: list[tuple] = []  # ("submit", id, prompt, new, options) / ("abort", id)
         self._next_id = 0
@@ -116,7 +90,7 @@ class Serving:
         # Another rank's submissions are ignored (rank 0's reach it): it makes no criterion.
         numbers = bool(stop_strings) and self.decides
         stop = self._stop_strings.number(tokenizer, stop_strings) if numbers else None
-        options = _Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
+        options = Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
                            None if logprobs is None else as_int(logprobs))
         request_id = self._next_id
         self._next_id += 1
@@ -153,7 +127,10 @@ class Serving:
     def step(self) -> list[RequestOutput]:
         """Apply the submissions and aborts (rank 0's), run one step, and return what each
         request it touched produced (requests that ended this step included), after the
-        outputs of earlier steps a ``stream`` consumer left undelivered."""
+        outputs of earlier steps a ``stream`` consumer left undelivered. A model cast, moved
+        or patched again since the engine was made is refused first, every request kept."""
+        if problems := changed_model_problems(self.model, self.runtime):
+            raise ValueError(problems[0])
         if self._scheduler is None:
             self._scheduler = Scheduler(self.allocator, self.max_tokens_per_step, self.max_rows)
         self._outputs = []
@@ -229,15 +206,15 @@ class Serving:
                 self._outputs.append(RequestOutput(rid, (), True, "abort"))
 
     def _sampling_of(self) -> Mapping[int, SamplingParams]:
-        return _Each(self._options, "sampling")
+        return Each(self._options, "sampling")
 
     def _generators(self) -> Mapping[int, torch.Generator]:
-        return _Each(self._options, "generator")
+        return Each(self._options, "generator")
 
     def _logprob_rows(self, step) -> None:
         """Take ``step``'s log-probabilities right after its launch, before a step launched
         ahead reuses the logits buffer (``logprobs.take``)."""
-        step.logprob_rows = logprobs.take(step, _Each(self._options, "logprobs"))
+        step.logprob_rows = logprobs.take(step, Each(self._options, "logprobs"))
 
     def _token_logprobs(self) -> dict[int, tuple]:
         """Per request of the step ``_step`` just committed that asked for them: its new token's
