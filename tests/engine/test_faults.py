@@ -370,7 +370,7 @@ def test_mixed_buckets_the_mla_planner_refuses_are_named_before_allocation(model
 def test_an_engine_refuses_a_model_changed_since_it_was_made():
     """An engine made before the model was cast ran on (bf16 compute over its fp32 pool), and
     one made before an unpatch and patch again failed on an internal assertion (helper 98):
-    both are named at ``run`` and ``submit``, and nothing is queued."""
+    both are named at ``run``, ``submit``, ``step`` and ``stream``, and nothing is lost."""
     model = torch_cp.patch_model(tiny_qwen3(num_hidden_layers=1))
     engine = Engine(model, **ENGINE)
     want = _tokens(engine.run(PROMPTS[:1], NEW))

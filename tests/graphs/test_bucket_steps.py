@@ -1,9 +1,10 @@
 """The engine through its captured buckets against the same engine run eagerly, on the CPU
 (``cpu_graphs.EagerReplayRunner``: the real runner's static plans and inputs, its replay an
-eager forward over them that sees the capture step's host values, as a graph does). Every step a bucket fits reuses that bucket's static buffers, padding
-rows and table columns of earlier steps included, with and without prefix caching and steps
-launched ahead, for a dense GQA, a hybrid and an MLA model, and through the serving API with an
-abort, a stop token and a late submission. float32: tokens equal; log-probabilities within
+eager forward over them that sees the capture step's host values, as a graph does). Every step
+a bucket fits reuses that bucket's static buffers, padding rows and table columns of earlier
+steps included, with and without prefix caching and steps launched ahead, for a dense GQA, a
+hybrid and an MLA model, and through the serving API with an abort, a stop token and a late
+submission. float32: tokens equal; log-probabilities within
 1e-4 (a padded step's GEMMs are larger than the eager step's, so their sums may associate
 differently: about 1e-6 here)."""
 

@@ -19,7 +19,6 @@ from torch_cp.engine.steps import StepLauncher
 from torch_cp.graphs.runner import CUDAGraphRunner
 from torch_cp.graphs.static_plan import StaticPlan
 
-
 # What a captured graph froze at capture: host values its Python read then (helper 100: the
 # hybrid state ops read qo_indptr_host in Python, so a multi-token step of a hybrid model
 # cannot replay, which Engine refuses; the eager replay of the live plan had hidden it).

@@ -91,7 +91,7 @@ class Serving:
         numbers = bool(stop_strings) and self.decides
         stop = self._stop_strings.number(tokenizer, stop_strings) if numbers else None
         options = Options(sampling or SamplingParams(), frozenset(stop_token_ids), stop,
-                           None if logprobs is None else as_int(logprobs))
+                          None if logprobs is None else as_int(logprobs))
         request_id = self._next_id
         self._next_id += 1
         self._pending.append(("submit", request_id, token_ids,
