@@ -223,8 +223,9 @@ def build_step_plan(
     c_t = torch.tensor(list(ctx_lens) + [0] * (padded_rows - rows), dtype=torch.int64)
     # As wide as the step's longest row, a bucket's too: its static table is the bucket's
     # width, and a plan fills its first columns (``StaticPlan.load``; kernels read a row's
-    # pages up to its length only). Built the bucket's width (``Engine``'s default: the whole
-    # pool), it cost a step of 64 rows over a pool of 540k pages 0.3 s of host time (helper 96).
+    # pages up to its length only). Built the bucket's width (``Engine``'s default was then the
+    # whole pool), it cost a step of 64 rows over a pool of 540k pages 0.3 s of host time
+    # (helper 96).
     table = dense_table(list(page_tables) + [[sink_page]] * (padded_rows - rows), sink_page)
     qo_indptr = torch.zeros(padded_rows + 1, dtype=torch.int64)
     qo_indptr[1:] = torch.cumsum(q_t, 0)

@@ -153,10 +153,9 @@ def cast_problems(model, runtime: ModelRuntime) -> list[str]:
         changes.append(f"moved to {device}")
     if not changes:
         return []
-    return [f"the model was {' and '.join(changes)} after torch_cp.patch_model, which "
-                     f"built its pools and attention backend for {runtime.dtype} on "
-                     f"{runtime.device}: cast and move the model before patching it (or "
-                     f"unpatch_model, cast, and patch again)"]
+    return [f"the model was {' and '.join(changes)} after torch_cp.patch_model, which built "
+            f"its pools and attention backend for {runtime.dtype} on {runtime.device}: cast "
+            f"and move the model before patching it (or unpatch_model, cast, and patch again)"]
 
 
 def _indexed(device: torch.device | str) -> torch.device:

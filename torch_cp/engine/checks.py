@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from torch_cp.fused_linear import fuse_replaced
 from torch_cp.placement import page_size_problems
-from torch_cp.runtime import cast_problems, runtime_and_problems
+from torch_cp.runtime import cast_problems
 
 
 def _positive_int(value) -> bool:
@@ -42,12 +43,13 @@ def changed_model_problems(model, runtime) -> list[str]:
 
 def model_problems(model, runtime) -> list[str]:
     """``changed_model_problems``, after fusing again the linears whose parameters were
-    replaced (``runtime_and_problems``; a pass over every module), and a model without an LM
-    head to give logits (a base model)."""
+    replaced (``fuse_replaced``: a pass over every module), and a model without an LM head to
+    give logits (a base model)."""
+    if getattr(model, "torch_cp", None) is runtime:
+        fuse_replaced(model)
     problems = changed_model_problems(model, runtime)
     if problems:
         return problems
-    problems = runtime_and_problems(model)[1]
     head = getattr(model, "get_output_embeddings", None)
     if not callable(head) or head() is None:
         problems.append(f"{type(model).__name__} has no LM head, so no logits to sample from: "

@@ -159,12 +159,13 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         page_size, runtime.placement.size, max_tokens_per_step, None, None, (), cuda_graphs,
         compile, runtime.device, prefix_caching, runtime.linear is not None,
         overlap_planning=overlap_planning)
+    rows = batch_rows(token_prompts)
     if (positive_ints(num_pages, none=True)
             and not runtime.placement.page_size_problems(page_size)):
         # this rank's memory, no collective; None: the default pool's first page must fit
         # beside the state pool (helper 87: it was allocated, and failed, instead)
         problems += pool_fit_problems(runtime, page_size, num_pages or 1, state_pool_bytes(
-            runtime, batch_rows(token_prompts), prefix_caching), default=num_pages is None)
+            runtime, rows, prefix_caching), default=num_pages is None)
     eos = checked(problems, eos_ids, model, eos_token_id, tokenizer) or ()
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=as_int(logprobs),
@@ -175,7 +176,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     lives = [max(n, 1) for n in news]
     engine, cap = engine_for(model, token_prompts, lives, page_size, num_pages,
                              max_tokens_per_step=max_tokens_per_step,
-                             max_rows=batch_rows(token_prompts), cuda_graphs=cuda_graphs,
+                             max_rows=rows, cuda_graphs=cuda_graphs,
                              compile=compile, overlap_planning=overlap_planning,
                              progress=progress, prefix_caching=prefix_caching,
                              _agreed=True)  # its arguments: agreed above
