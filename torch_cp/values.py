@@ -25,3 +25,10 @@ def positive_int(value) -> int | None:
     """``value`` as an int >= 1 (``as_int``'s kinds), or None."""
     n = as_int(value)
     return n if n is not None and n >= 1 else None
+
+
+def plain_int(value):
+    """``value`` as a Python int where it is an int of another kind (NumPy's, a 0-d tensor's:
+    sizes computed with NumPy or torch), else unchanged, for the checks to name as it is."""
+    n = as_int(value)
+    return value if n is None else n

@@ -311,6 +311,26 @@ def test_engine_flags_that_are_not_bools_and_a_pool_larger_than_memory_are_refus
         Engine(model, num_pages=10**12, max_rows=0)  # both named (helper 43)
 
 
+def test_sizes_computed_with_numpy_or_torch_are_taken_as_ints(model, expected):
+    """``num_pages=np.int64(...)``, a page size from a 0-d tensor: the tokens of Python ints
+    (they were refused as not ints); bools and floats of either kind are still named."""
+    np = pytest.importorskip("numpy")
+    engine = Engine(model, num_pages=np.int64(12), page_size=torch.tensor(8),
+                    max_tokens_per_step=np.int32(16), max_rows=np.int64(4))
+    assert type(engine.page_size) is int and type(engine.allocator.num_pages) is int
+    assert _tokens(engine.run(PROMPTS, NEW)) == expected[False, SamplingParams()]
+    results = torch_cp.generate(model, PROMPTS, NEW, num_pages=np.int64(12),
+                                page_size=np.int64(8), max_tokens_per_step=np.int64(16),
+                                progress=False)
+    assert _tokens(results) == expected[False, SamplingParams()]
+    with pytest.raises(ValueError) as e:
+        Engine(model, num_pages=np.float64(12), page_size=np.bool_(True))
+    assert "num_pages must be a positive int, got" in str(e.value)
+    assert "page_size must be a positive int, got" in str(e.value)
+    patched = torch_cp.patch_model(torch_cp.tiny_qwen3(), page_size=np.int64(8))
+    assert type(patched.torch_cp.page_size) is int
+
+
 def test_generate_refuses_a_default_pool_whose_first_page_cannot_fit(model, monkeypatch):
     """Sized from the requests, the pool still takes one page (a hybrid model its state pool
     beside): refused first, as ``Engine`` refuses a ``num_pages`` (helper 87: generate went on

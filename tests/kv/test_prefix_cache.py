@@ -13,7 +13,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from torch_cp.kv import PrefixCachingAllocator, page_key
+from torch_cp.kv import PrefixCachingAllocator, page_key, page_keys
 
 NUM_PAGES, PAGE_SIZE = 6, 2
 KV = Path(__file__).resolve().parents[2] / "torch_cp" / "kv"
@@ -177,6 +177,15 @@ class Cache(RuleBasedStateMachine):
         assert len(set(contents)) == len(contents), "one cached page per content"
 
     @invariant()
+    def a_match_over_kept_keys_is_the_hashed_match(self):
+        """The first prompt's keys, kept as the scheduler keeps a waiting request's: matched
+        over them after every rule (a memo, until the cache's keys change), as hashed anew."""
+        if len(self.sequences) > 1:
+            prompt = list(self.sequences[1])
+            self.kept = getattr(self, "kept", None) or page_keys(prompt, PAGE_SIZE)
+            assert self.a.lookup(prompt, keys=self.kept) == self.a.lookup(prompt)
+
+    @invariant()
     def read_only_pages_hold_the_prefix(self):
         for rid, (tokens, written) in self.requests.items():
             table = self.a.table(rid)
@@ -314,6 +323,48 @@ def test_keys_kept_by_the_caller_match_exactly_as_hashing_does():
         assert (alloc.admission_pages(prompt, 20, keys=keys)
                 == alloc.admission_pages(prompt, 20))
     assert alloc.admit("b", cached[:9], keys=page_keys(cached[:9], 4)) == 8
+
+
+class CountingDict(dict):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.probes = 0
+
+    def __contains__(self, key):
+        self.probes += 1
+        return super().__contains__(key)
+
+
+def test_a_waiting_request_is_matched_once_until_the_cache_changes():
+    """The head of the queue is asked each step, twice with overlap planning (``schedule``,
+    ``next_decode_rows``): its chain is walked once (8k pages at 128k took 1 ms a walk), and
+    again after an eviction or registration changes what it matches."""
+    from torch_cp.engine.scheduler import Request, Scheduler
+
+    prompt = list(range(1, 42))  # 10 full pages of 4 (the last token: never cached)
+    alloc = PrefixCachingAllocator(num_pages=16, page_size=4)
+    scheduler = Scheduler(alloc, max_tokens_per_step=64)
+    scheduler.add(Request(0, prompt, 8))  # 12 pages: leaves 4
+    rows = scheduler.schedule()
+    scheduler.commit(rows, {0: 5}, frozenset())
+    scheduler.add(Request(1, prompt[:40] + [7], 20))  # shares 10 pages, needs 5 more: waits
+    alloc._page_of = CountingDict(alloc._page_of)
+    for _ in range(2):  # a third would fill page 10: a new key, a new walk
+        rows = scheduler.schedule()
+        assert scheduler.next_decode_rows(rows) is not None and scheduler.waiting
+        scheduler.commit(rows, {0: 5}, frozenset())
+    assert alloc._page_of.probes == 10, "one walk over the 10 cached pages"
+    keys = scheduler.waiting[0].prompt_keys
+    assert len(alloc.lookup(prompt, keys=keys)) == 10
+    alloc.release(0)  # its 10 cached pages evictable, then evicted by a request's reserve
+    assert alloc.admit("other", [9] * 41) == 0 and alloc.reserve("other", 16 * 4)
+    assert alloc.lookup(prompt, keys=keys) == alloc.lookup(prompt) == []
+    alloc.release("other")
+    assert alloc.admit("again", prompt) == 0 and alloc.reserve("again", 41)
+    alloc.register("again", prompt)
+    assert alloc.lookup(prompt, keys=keys) == alloc.lookup(prompt) == alloc.table("again")[:10]
+    alloc.release_all()  # the cache emptied
+    assert alloc.lookup(prompt, keys=keys) == []
 
 
 def test_an_interrupt_anywhere_in_the_allocator_leaves_a_new_allocators_state():

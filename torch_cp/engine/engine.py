@@ -41,6 +41,7 @@ from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
 from torch_cp.plan import StepRefused
 from torch_cp.runtime import new_pools, runtime_of
+from torch_cp.values import plain_int
 
 DEFAULT_TOKENS_PER_STEP = 2048
 
@@ -101,7 +102,10 @@ class Engine(BatchRuns, Serving):
                  prefix_caching: bool = False, state_checkpoints: int | None = None, *,
                  _agreed: bool = False):
         self.model, self.runtime = model, runtime_of(model)
-        page_size = self.runtime.page_size if page_size is None else page_size
+        num_pages, page_size, max_tokens_per_step, max_rows, max_pages_per_row, \
+            state_checkpoints = map(plain_int, (  # NumPy's ints and 0-d tensors' too
+                num_pages, self.runtime.page_size if page_size is None else page_size,
+                max_tokens_per_step, max_rows, max_pages_per_row, state_checkpoints))
         hybrid = self.runtime.linear is not None
         arguments = dict(num_pages=num_pages, page_size=page_size,
                          max_tokens_per_step=max_tokens_per_step, max_rows=max_rows,
@@ -151,8 +155,7 @@ class Engine(BatchRuns, Serving):
         self._announce_compile = compile  # the first step outside the buckets compiles again
         self.runner = graph_runner(
             model, self.cache, min(max_rows or DEFAULT_GRAPH_ROWS, DEFAULT_GRAPH_ROWS),
-            max_pages_per_row, mixed_buckets, compile, progress) if cuda_graphs \
-            else None
+            max_pages_per_row, mixed_buckets, compile, progress) if cuda_graphs else None
         self.launcher = StepLauncher(model, self.cache, self.runner, compile=compile)
         self._serving_init()
 
@@ -167,9 +170,8 @@ class Engine(BatchRuns, Serving):
         return self.state.bytes if self.state is not None else 0
 
     def _settle_ahead(self) -> None:
-        """Once nothing runs: wait for the step launched ahead (for requests that an EOS, a stop
-        or an abort then ended; nothing will commit it) and drop it and any step planned
-        ahead."""
+        """Once nothing runs: wait for the step launched ahead (its requests ended by an EOS, a
+        stop or an abort: nothing will commit it) and drop it and any step planned ahead."""
         if self._inflight is not None:
             self._inflight.host_ids()
         self._ahead = self._inflight = None
@@ -178,18 +180,15 @@ class Engine(BatchRuns, Serving):
         """Finish one step: the one launched ahead during the previous step, else the
         scheduler's next (retried smaller when the backend refuses it). With
         ``overlap_planning`` the step after it is planned, and with greedy sampling launched,
-        before this step's tokens are awaited.
-
-        Returns (prompt tokens prefilled, tokens sampled, ended requests with their finish
-        reason and error).
-        """
+        before this step's tokens are awaited. Returns (prompt tokens prefilled, tokens
+        sampled, ended requests with their finish reason and error)."""
         current, self._inflight = self._inflight, None
         if current is None:
             current, failed = self._launch_scheduled(scheduler, sampling)
             if failed:
                 self._committed = None
                 return 0, 0, failed
-        self._logprob_rows(current)  # before a step launched ahead reuses the logits buffer
+        self._logprob_rows(current)  # before a step launched ahead reuses its logits buffer
         if self.overlap_planning:
             self._overlap(current, scheduler, sampling)
         tokens = self._tokens(current, sampling, generators)

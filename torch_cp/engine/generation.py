@@ -30,7 +30,7 @@ from torch_cp.engine.requests import (
 )
 from torch_cp.engine.sampling import SamplingParams
 from torch_cp.runtime import runtime_of
-from torch_cp.values import as_int
+from torch_cp.values import as_int, plain_int
 
 
 def engine_for(model, prompts: Sequence[Sequence[int]], news: Sequence[int], page_size: int,
@@ -148,6 +148,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
     runtime = runtime_of(model)
     problems = model_problems(model, runtime)
     page_size = runtime.page_size if page_size is None else page_size
+    num_pages, page_size, max_tokens_per_step = map(plain_int, (num_pages, page_size,
+                                                                max_tokens_per_step))
     sampling = checked(problems, SamplingParams, temperature, top_k, top_p, seed)
     token_prompts = checked(problems, normalize_prompts, prompts, tokenizer, attention_mask,
                              pad_token_ids(model, tokenizer))

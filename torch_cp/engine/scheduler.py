@@ -109,18 +109,22 @@ class Scheduler:
             return False
         if self.allocator.state_slots and not self.allocator.free_state_slots:
             return False  # a hybrid model's running requests hold every state slot
-        return (self._admission_pages(self.waiting[0]) <= available_pages
-                and not self._waits_for_prefix(self.waiting[0]))
+        request = self.waiting[0]
+        # Looked up once a step (a 128k prompt's chain is 8k pages): both checks read it.
+        shared = (self.allocator.lookup(request.prompt, keys=self._keys(request))
+                  if self.caching else None)
+        return (self._admission_pages(request, shared) <= available_pages
+                and not (self.caching and self._waits_for_prefix(request, len(shared))))
 
-    def _waits_for_prefix(self, request: Request) -> bool:
-        """With prefix caching, whether ``request`` waits for a running request still
-        prefilling pages of its prompt's prefix that the cache does not hold yet: admitted now
-        it would prefill them too; once they commit it shares them (as SGLang's in-batch prefix
-        caching). Not a hybrid model's (its requests share only at state checkpoints)."""
-        if not self.caching or self.checkpointing:
+    def _waits_for_prefix(self, request: Request, cached: int) -> bool:
+        """With prefix caching, whether ``request``, whose prompt has ``cached`` pages in the
+        cache, waits for a running request still prefilling later pages of its prompt's
+        prefix: admitted now it would prefill them too; once they commit it shares them (as
+        SGLang's in-batch prefix caching). Not a hybrid model's (its requests share only at
+        state checkpoints)."""
+        if self.checkpointing:
             return False
         keys, page = self._keys(request), self.allocator.page_size
-        cached = len(self.allocator.lookup(request.prompt, keys=keys))
         shareable = (len(request.prompt) - 1) // page  # lookup's limit: the last token computed
         for other in self.running.values():
             if not other.decoding:
@@ -130,11 +134,12 @@ class Scheduler:
                     return True
         return False
 
-    def _admission_pages(self, request: Request) -> int:
-        """How much admitting ``request`` lowers free pages less promised pages."""
+    def _admission_pages(self, request: Request, shared: list[int] | None = None) -> int:
+        """How much admitting ``request`` lowers free pages less promised pages (``shared``:
+        its prompt's cached pages, ``lookup``'s answer, when the caller has it)."""
         if self.caching:
             return self.allocator.admission_pages(request.prompt, request.lifetime_tokens,
-                                                  keys=self._keys(request))
+                                                  keys=self._keys(request), shared=shared)
         return self.allocator.pages_for(request.lifetime_tokens)
 
     def _keys(self, request: Request) -> list[bytes]:

@@ -23,6 +23,7 @@ from torch_cp.placement import ContextParallel, page_size_problems
 from torch_cp.runtime import model_dtype_device
 from torch_cp.state.kernels import fla_available
 from torch_cp.tp import mlp_problems
+from torch_cp.values import plain_int
 
 MODES = ("auto", "tp", "sp")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -162,6 +163,7 @@ def validate_patch(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
     ``device``: where the model's weights will be (``from_pretrained`` validates a model on the
     meta device before loading anything); by default where its parameters are.
     """
+    page_size = plain_int(page_size)
     settings, problems = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                         mode=mode, backend=backend, page_size=page_size,
                                         device=device)

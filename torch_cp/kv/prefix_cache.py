@@ -2,49 +2,20 @@
 shared by reference count, kept after release until pool pressure evicts them (least recently
 used first).
 
-A page's key digests (its parent page's key, its token ids), so equal keys mean equal tokens
-from the sequence's first token on, hence equal KV. Keys are blake2b digests, not Python's
-``hash`` (salted per process), and page ids stay logical, so every partner holding a stripe of
-the same pages decides the same by construction.
+Equal keys (``page_keys.py``: a hash chain from the sequence's first token) mean equal tokens,
+hence equal KV; keys are the same on every process and page ids stay logical, so every partner
+holding a stripe of the same pages decides the same by construction.
 """
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from torch_cp.kv.allocator import PageAllocator
+from torch_cp.kv.page_keys import ROOT, page_key, page_keys, token_list  # noqa: F401 (re-exported)
 from torch_cp.kv.state_checkpoints import StateCheckpoints
-
-_ROOT = b""
-
-
-def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The cache key of a full page: a 16-byte blake2b digest of its parent's key and its token
-    ids as little-endian int64 (the same on every process and machine)."""
-    data = array("q", tokens)
-    if sys.byteorder == "big":
-        data.byteswap()
-    return hashlib.blake2b(parent + data.tobytes(), digest_size=16).digest()
-
-
-def page_keys(tokens: Sequence[int], page_size: int, start: int = 0,
-              parent: bytes = _ROOT, stop: int | None = None) -> list[bytes]:
-    """Keys of the full pages ``start, start + 1, ...`` of ``tokens``, up to page ``stop``
-    (default: every full page; ``parent``: the key of page ``start - 1``)."""
-    keys = []
-    full = len(tokens) // page_size
-    for page in range(start, full if stop is None else min(stop, full)):
-        parent = page_key(parent, tokens[page * page_size:(page + 1) * page_size])
-        keys.append(parent)
-    return keys
-
 
 @dataclass(frozen=True)
 class CacheState:
@@ -56,12 +27,6 @@ class CacheState:
     refcounts: tuple[int, ...]
     keys: tuple[bytes | None, ...]
     tables: tuple[tuple[object, tuple[int, ...]], ...]
-
-
-def _ids(tokens) -> list[int]:  # a list as it is: only read (a 128k copy took 0.14 ms)
-    if isinstance(tokens, list):
-        return tokens
-    return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
 class PrefixCachingAllocator(PageAllocator):
@@ -98,6 +63,8 @@ class PrefixCachingAllocator(PageAllocator):
         self._page_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
         self._keys: dict[object, list[bytes]] = {}  # each request's chain over its full pages
+        self._keys_changed = 0  # counts the changes of ``_page_of``: a match's memo lasts until one
+        self._memo: tuple | None = None  # the last match over a caller's keys (``_chain``)
 
     @property
     def free_pages(self) -> int:
@@ -126,13 +93,16 @@ class PrefixCachingAllocator(PageAllocator):
         caps the match further (a hybrid model reuses a prefix only where it has a state
         checkpoint). ``keys``: the prompt's ``page_keys``, when the caller keeps them (a
         waiting request is looked up every step; hashing its prompt once is enough)."""
-        return self._match(_ids(prompt), max_cached_tokens, keys)[0]
+        return self._match(token_list(prompt), max_cached_tokens, keys)[0]
 
     def admission_pages(self, prompt, num_tokens: int, max_cached_tokens: int | None = None,
-                        keys: Sequence[bytes] | None = None) -> int:
+                        keys: Sequence[bytes] | None = None,
+                        shared: Sequence[int] | None = None) -> int:
         """How much ``free_pages`` drops if ``admit(prompt)`` then ``reserve(num_tokens)``
-        succeed: the pages to allocate, plus the shared pages that stop being evictable."""
-        shared = self.lookup(prompt, max_cached_tokens, keys)
+        succeed: the pages to allocate, plus the shared pages that stop being evictable.
+        ``shared``: ``lookup``'s answer for these arguments, when the caller has it."""
+        if shared is None:
+            shared = self.lookup(prompt, max_cached_tokens, keys)
         taken = sum(1 for page in shared if self._refs[page] == 0)
         return max(0, self.pages_for(num_tokens) - len(shared)) + taken
 
@@ -143,7 +113,7 @@ class PrefixCachingAllocator(PageAllocator):
         ``page_size``, at most ``len(prompt) - 1``. Allocates nothing; ``reserve`` does."""
         if request_id in self._tables:
             raise ValueError(f"admit({request_id!r}): the request already holds pages")
-        shared, keys = self._match(_ids(prompt), max_cached_tokens, keys)
+        shared, keys = self._match(token_list(prompt), max_cached_tokens, keys)
         for page in shared:
             if self._refs[page] == 0:
                 del self._lru[page]
@@ -159,7 +129,7 @@ class PrefixCachingAllocator(PageAllocator):
         """How many of ``prompt``'s full pages the cache holds (as ``lookup`` counts them), a
         hybrid model's state checkpoints aside: where a chunk of the prompt should end so that
         a checkpoint is taken where its cached prefix ends."""
-        return len(self._match(_ids(prompt), None, keys, checkpointed=False)[0])
+        return len(self._match(token_list(prompt), None, keys, checkpointed=False)[0])
 
     def take_state_slot(self, request_id) -> int:
         slot = super().take_state_slot(request_id)
@@ -191,20 +161,21 @@ class PrefixCachingAllocator(PageAllocator):
         released while its step was in flight)."""
         if request_id not in self._tables:
             return 0
-        tokens = _ids(tokens)
+        tokens = token_list(tokens)
         cached = len(tokens) if cached is None else min(cached, len(tokens))
         keys = self._keys.setdefault(request_id, [])
         table = self.table(request_id)
         if cached // self.page_size > len(table):
             raise ValueError(f"register({request_id!r}): {cached} tokens but the table "
                              f"holds {len(table)} pages of {self.page_size}")
-        parent = keys[-1] if keys else _ROOT
+        parent = keys[-1] if keys else ROOT
         for key in page_keys(tokens, self.page_size, len(keys), parent,
                              stop=cached // self.page_size):
             page = table[len(keys)]
             if key not in self._page_of:
                 self._page_of[key] = page
                 self._key_of[page] = key
+                self._keys_changed += 1
             keys.append(key)
         return len(keys)
 
@@ -241,6 +212,7 @@ class PrefixCachingAllocator(PageAllocator):
         self._refs = [0] * self.num_pages
         self._key_of = [None] * self.num_pages
         self._page_of.clear()
+        self._keys_changed += 1
         self._lru.clear()
         if self.checkpoints is not None:
             self.checkpoints = StateCheckpoints(self.checkpoints.slots)
@@ -250,8 +222,22 @@ class PrefixCachingAllocator(PageAllocator):
         limit = max(0, len(prompt) - 1)
         if max_cached_tokens is not None:
             limit = min(limit, max_cached_tokens)
-        shared, keys, parent = [], [], _ROOT
-        for page in range(limit // self.page_size):
+        shared, keys = self._chain(prompt, limit // self.page_size, known)
+        if checkpointed and self.checkpoints is not None:  # a hybrid starts where a state was kept
+            depth = self.checkpoints.deepest(keys)
+            shared, keys = shared[:depth], keys[:depth]
+        return shared, keys
+
+    def _chain(self, prompt: list[int], pages: int, known: Sequence[bytes] | None):
+        """The cached pages of ``prompt``'s first ``pages`` full pages, to the first uncached
+        one, and their keys. The answer over a caller's ``known`` keys is kept until the cache's
+        keys change: the head of the queue is matched every step (8k pages at 128k: 1 ms)."""
+        memo = self._memo
+        if (known is not None and memo is not None and memo[0] is known
+                and memo[1:3] == (pages, self._keys_changed)):
+            return list(memo[3]), list(memo[4])
+        shared, keys, parent = [], [], ROOT
+        for page in range(pages):
             key = known[page] if known is not None else page_key(
                 parent, prompt[page * self.page_size:(page + 1) * self.page_size])
             if key not in self._page_of:
@@ -259,16 +245,16 @@ class PrefixCachingAllocator(PageAllocator):
             shared.append(self._page_of[key])
             keys.append(key)
             parent = key
-        if checkpointed and self.checkpoints is not None:  # a hybrid starts where a state was kept
-            depth = self.checkpoints.deepest(keys)
-            shared, keys = shared[:depth], keys[:depth]
-        return shared, keys
+        if known is not None:  # ``known`` is kept alive (and ``is`` compared) by the memo
+            self._memo = (known, pages, self._keys_changed, shared, keys)
+        return list(shared), list(keys)
 
     def _take(self, count: int) -> list[int]:
         pages = [self._free.popleft() for _ in range(min(count, len(self._free)))]
         while len(pages) < count:
             page, _ = self._lru.popitem(last=False)
             del self._page_of[self._key_of[page]]
+            self._keys_changed += 1
             if self.checkpoints is not None:  # no prompt can match up to it any more
                 self.checkpoints.drop(self._key_of[page])
             self._key_of[page] = None
