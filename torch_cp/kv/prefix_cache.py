@@ -17,6 +17,7 @@ from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.page_keys import ROOT, page_key, page_keys, token_list  # noqa: F401 (re-exported)
 from torch_cp.kv.state_checkpoints import StateCheckpoints
 
+
 @dataclass(frozen=True)
 class CacheState:
     """A snapshot for tests and partner checks: the free list in order, the evictable cached
