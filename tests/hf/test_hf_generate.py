@@ -323,10 +323,14 @@ def test_a_next_turn_of_new_tokens_only_grows_the_cache_as_it_needs(model):
     assert torch.equal(outs["patched"], outs["unpatched"])
 
 
-def test_a_cached_column_masked_out_afterwards_is_refused(model):
-    """The pool attends every cached token: a next turn whose mask zeros a column the cache
-    holds as real (a row's padding after its EOS, as ``seq != pad`` makes it) would silently
-    give other tokens than Hugging Face's cache, which masks it (helper 88)."""
+@pytest.mark.parametrize("marked, why", [
+    ([20, 7], "a cached column cannot be masked out afterwards"),
+    ([21, 8], "a column cached as padding cannot be marked real afterwards")])
+def test_a_mask_that_marks_cached_columns_otherwise_is_refused(model, marked, why):
+    """The pool attends every cached token and nothing else: a next turn whose mask zeros a
+    column the cache holds as real (a row's padding after its EOS, as ``seq != pad`` makes it)
+    would silently give other tokens than Hugging Face's cache, which masks it (helper 88); one
+    that marks real a column cached as padding (never written) is refused too, each naming why."""
     ids, mask = left_padded(PROMPTS[:2])
     first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                            return_dict_in_generate=True)
@@ -334,9 +338,13 @@ def test_a_cached_column_masked_out_afterwards_is_refused(model):
     seq = torch.cat([first.sequences, torch.tensor([[5, 6]] * 2)], 1)
     whole = torch.ones_like(seq)
     whole[:, : ids.shape[1]] = mask
-    whole[0, ids.shape[1]] = 0  # row 0's first generated token, cached as real
-    with pytest.raises(ValueError, match=r"holds \[21, 7\] real tokens a row in its first 21 "
-                                         r"columns; the attention mask marks \[20, 7\]"):
+    if marked[0] < 21:
+        whole[0, ids.shape[1]] = 0  # row 0's first generated token, cached as real
+    else:
+        whole[1, 0] = 1  # row 1's first column, cached as padding
+    with pytest.raises(ValueError, match=rf"holds \[21, 7\] real tokens a row in its first 21 "
+                                         rf"columns; the attention mask marks \[{marked[0]}, "
+                                         rf"{marked[1]}\]: {why}"):
         model.generate(seq, attention_mask=whole, cache=cache, max_new_tokens=2)
     assert cache.row_lens == [21, 7]  # refused before anything was planned
 
@@ -356,3 +364,32 @@ def test_a_conversation_continues_on_the_mla_pool_and_a_hybrid_model(family):
     got, _, _ = _conversation(torch_cp.patch_model(build()), ids, mask)
     for w, g in zip(want, got):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_a_next_turn_padded_between_the_cache_and_its_tokens_is_each_rows_alone(family):
+    """A next turn whose user tokens differ in length, left-padded after the cached columns
+    (padding in the middle of a row): each row continues as its unpadded conversation alone on
+    the unpatched model. On the hybrid model Hugging Face's own batch does not (its gated
+    DeltaNet state advances over the padding: helper 101), so the reference is each row alone."""
+    from driver import tiny_model
+
+    def build():
+        return tiny_qwen3() if family == "qwen3" else tiny_model(family)
+    ids, mask = left_padded([[t % 128 for t in p] for p in PROMPTS[:2]])  # hybrid vocab: 128
+    model = torch_cp.patch_model(build())
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+    users = [[8, 9, 10], [20, 21, 22, 23, 24]]
+    width = max(map(len, users))
+    seq = torch.cat([first.sequences, torch.tensor([[0] * (width - len(u)) + u for u in users])], 1)
+    whole = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype),
+                       torch.tensor([[0] * (width - len(u)) + [1] * len(u) for u in users])], 1)
+    got = model.generate(seq, attention_mask=whole, cache=_cache_of(first), max_new_tokens=4,
+                         do_sample=False)[:, seq.shape[1]:]
+    reference = build()
+    for row in range(2):
+        alone = seq[row][whole[row].bool()][None]
+        want = reference.generate(alone, attention_mask=torch.ones_like(alone), max_new_tokens=4,
+                                  do_sample=False)[0, alone.shape[1]:]
+        assert got[row].tolist() == want.tolist(), f"row {row}"

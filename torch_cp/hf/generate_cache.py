@@ -86,8 +86,9 @@ class GenerateCache(PagedKVCache):
 
     def check_cached_columns(self, attention_mask: torch.Tensor | None) -> None:
         """Refuse a mask [B, columns + S] that marks the cached columns otherwise than they were
-        cached: the pool holds each row's tokens in order and attends all of them, so a column
-        cached as real cannot be masked out later (Hugging Face's cache can: another answer)."""
+        cached: the pool holds each row's real tokens in order and attends all of them, so a
+        column cached as real cannot be masked out later (Hugging Face's cache can: another
+        answer), nor one cached as padding (never written) marked real."""
         if self.columns == 0:
             return
         if attention_mask is None:
@@ -96,13 +97,20 @@ class GenerateCache(PagedKVCache):
             marked = None
         else:
             marked = attention_mask[:, :self.columns].to("cpu", torch.bool).sum(1).tolist()
-        if marked != self.row_lens:
-            raise ValueError(
-                f"the cache passed holds {self.row_lens} real tokens a row in its first "
-                f"{self.columns} columns; the attention mask marks "
-                f"{'fewer columns' if marked is None else marked}: a cached column cannot be "
-                f"masked out afterwards (keep 1 where the last call generated, the padding after "
-                f"an EOS included), or generate without the cache")
+        if marked == self.row_lens:
+            return
+        fewer = marked is None or any(m < n for m, n in zip(marked, self.row_lens))
+        more = marked is not None and any(m > n for m, n in zip(marked, self.row_lens))
+        why = " and ".join(
+            ["a cached column cannot be masked out afterwards (keep 1 where the last call "
+             "generated, the padding after an EOS included)"] * fewer
+            + ["a column cached as padding cannot be marked real afterwards (keep the last "
+               "call's mask for its columns)"] * more)
+        raise ValueError(
+            f"the cache passed holds {self.row_lens} real tokens a row in its first "
+            f"{self.columns} columns; the attention mask marks "
+            f"{'fewer columns' if marked is None else marked}: {why}; or generate without "
+            f"the cache")
 
     def _grow(self, pages: int) -> None:
         """A pool of ``pages`` pages holding this one's (the new one allocated first)."""

@@ -16,8 +16,11 @@ from generate's own batch size and ``max_length`` (``new_cache`` sizes it explic
 given back for a conversation's next turn (the last call's ``cache`` / ``past_key_values``, with
 the whole conversation or only the tokens the cache does not hold as ``input_ids``: the last
 call's final token, never fed, leads them; and the whole conversation's mask) grows as the
-call needs; a mask that zeros a column the cache holds as real is refused
-(the pool attends every cached token). As with transformers' caches, a prompt's cache can be
+call needs; a mask that zeros a column the cache holds as real, or marks real one it holds as
+padding, is refused (the pool attends every cached token and nothing else). Padding between
+the cached columns and a row's new tokens is skipped on hybrid models too, so each row's tokens
+are those of its unpadded conversation (Hugging Face's gated DeltaNet layers advance their
+state over such padding: other tokens there). As with transformers' caches, a prompt's cache can be
 filled by a plain forward (``model(ids, cache=cache)``) and generated from, ``copy.deepcopy``
 gives a cache its own pool (one prompt, several continuations), and ``inputs_embeds`` may
 stand for the prompt's ids. Beam search is not supported (a paged cache does not reorder
