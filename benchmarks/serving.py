@@ -17,8 +17,10 @@
   ``Engine.step``: tokens/s, and the p50 / p99 of time to first token and of the time between
   a request's tokens.
 
-Model: Qwen3-8B's shape (random bf16 weights) with FlashInfer and CUDA graphs; ``--smoke``: the
-tiny model on the CPU with the torch backend and tiny sizes.
+Model: Qwen3-8B's shape (random bf16 weights) with FlashInfer, CUDA graphs, compiled layers and
+steps launched ahead (the fastest engine; ``--no-compile``, ``--no-overlap-planning`` turn them
+off; run 50 had neither); ``--smoke``: the tiny model on the CPU with the torch backend and tiny
+sizes.
 """
 
 from __future__ import annotations
@@ -47,9 +49,21 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def _engine(model, args, device, prefix_caching: bool, pages: int):
+    cuda = device.type == "cuda"
     return torch_cp.Engine(model, pages, PAGE, max_tokens_per_step=args.tokens_per_step,
-                           max_rows=args.max_rows, cuda_graphs=device.type == "cuda",
-                           prefix_caching=prefix_caching)
+                           max_rows=args.max_rows, cuda_graphs=cuda,
+                           compile=cuda and args.compile,
+                           overlap_planning=args.overlap_planning, prefix_caching=prefix_caching)
+
+
+def _warm_up(engine, args, device) -> None:
+    """Decode steps after a prefill that shares no page with the measured prompts (ids 1); with
+    compiled layers two full chunks and a short one before them: a fresh chunk, chunks after a
+    context and a second length, so every prefill shape they meet has compiled
+    (``Engine(compile=True)``: once for the first length, once more for the others)."""
+    compiled = device.type == "cuda" and args.compile
+    tokens = 2 * args.tokens_per_step + PAGE + 1 if compiled else PAGE + 1
+    serve(engine, [(0.0, [1] * tokens)], 2, device)
 
 
 def _sync(device) -> None:
@@ -97,7 +111,7 @@ def scenario_prefix(model, args, device, p: int) -> list[dict]:
     records = []
     for caching in (False, True):
         engine = _engine(model, args, device, caching, pages)
-        serve(engine, [(0.0, [1] * (PAGE + 1))], 2, device)  # warm-up: shares nothing
+        _warm_up(engine, args, device)
         start = time.perf_counter()
         first = engine.submit(prompts[0], args.new_tokens)
         while not any(o.request_id == first and o.token_ids for o in engine.step()):
@@ -107,6 +121,7 @@ def scenario_prefix(model, args, device, p: int) -> list[dict]:
         timing = serve(engine, [(0.0, q) for q in prompts[1:]], args.new_tokens, device)
         records.append(dict(scenario="prefix", P=p, prefix_caching=caching,
                             prefix=args.prefix, suffix=args.suffix, first_ttft_s=first_ttft,
+                            **_settings(args, device),
                             reused_tokens=engine.reused_tokens, **timing,
                             all_s=first_ttft + timing["total_s"]))
         del engine
@@ -122,9 +137,16 @@ def scenario_poisson(model, args, device, p: int) -> list[dict]:
         arrivals.append((at, [rng.randrange(3, vocab) for _ in range(args.prompt)]))
     pages = args.max_rows * -(-(args.prompt + args.new_tokens) // PAGE)
     engine = _engine(model, args, device, False, pages)
-    serve(engine, [(0.0, arrivals[0][1])], 2, device)  # warm-up
+    _warm_up(engine, args, device)
     timing = serve(engine, arrivals, args.new_tokens, device)
-    return [dict(scenario="poisson", P=p, rate=args.rate, prompt=args.prompt, **timing)]
+    return [dict(scenario="poisson", P=p, rate=args.rate, prompt=args.prompt,
+                 **_settings(args, device), **timing)]
+
+
+def _settings(args, device) -> dict:
+    cuda = device.type == "cuda"
+    return dict(cuda_graphs=cuda, compile=cuda and args.compile,
+                overlap_planning=args.overlap_planning)
 
 
 def main() -> None:
@@ -138,6 +160,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="requests per second")
     parser.add_argument("--max-rows", type=int, default=64)
     parser.add_argument("--tokens-per-step", type=int, default=2048)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="compiled layers (on CUDA, with the CUDA graphs)")
+    parser.add_argument("--overlap-planning", action=argparse.BooleanOptionalAction,
+                        default=True, help="plan and launch each decode step ahead")
     parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -173,7 +199,8 @@ def main() -> None:
         results = appending_results(args.out, rank, device)
         for record in records:
             results.add(**record)
-        print(table(records, ["scenario", "P", "prefix_caching", "requests", "first_ttft_s",
+        print(table(records, ["scenario", "P", "compile", "overlap_planning", "prefix_caching",
+                              "requests", "first_ttft_s",
                               "all_s", "total_s",
                               "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "ttft_last_s",
                               "itl_p50_s", "itl_p99_s", "reused_tokens"]))
