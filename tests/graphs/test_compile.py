@@ -54,13 +54,6 @@ def eager_and_compiled(model):
     return results
 
 
-def test_compiled_model_equals_eager():
-    model = torch_cp.patch_model(torch_cp.tiny_qwen3(), page_size=PAGE)
-    eager, compiled = eager_and_compiled(model)
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, **TOL)
-
-
 def _on_rank(rank: int, world: int):
     mesh = torch_cp.init_mesh(tp=world, device_type="cpu")
     model = torch_cp.patch_model(torch_cp.tiny_qwen3(), context_parallel=True, mesh=mesh,
@@ -82,16 +75,20 @@ def _largest_buffer(code: str) -> int:
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_compiled_step_writes_the_pool_in_place(family):
-    """The pool is written in place: no buffer of a pool layer's size in the compiled step (traced
-    as plain indexing, functionalization rebuilt each layer and the whole pool every layer); and a
-    Qwen3 decode step runs four weight GEMMs a layer, the fused ones included."""
+    """A whole model compiled at P = 1 (``fullgraph=True``): a prefill's and a decode step's
+    logits equal eager; the pool is written in place: no buffer of a pool layer's size in the
+    compiled step (traced as plain indexing, functionalization rebuilt each layer and the whole
+    pool every layer); and a Qwen3 decode step runs four weight GEMMs a layer, the fused ones
+    included."""
     model = (torch_cp.tiny_qwen3() if family == "qwen3"
              else tiny_mla_model(tiny_mla_config(family)))
     torch_cp.patch_model(model, page_size=PAGE)
     torch._dynamo.reset()
     cache = torch_cp.PagedKVCache.for_model(model, num_pages=400, page_size=PAGE)
     compiled = torch.compile(model.forward, fullgraph=True)
-    _step(model, cache, compiled, [1, 2, 3], [3], [0], [[0]])
+    prefill = ([1, 2, 3], [3], [0], [[0]])
+    got = _step(model, cache, compiled, *prefill)
+    torch.testing.assert_close(got, _step(model, cache, model.forward, *prefill), **TOL)
     eager = _step(model, cache, model.forward, [5], [1], [3], [[0]])
     out, code = run_and_get_code(_step, model, cache, compiled, [5], [1], [3], [[0]])
     torch.testing.assert_close(out, eager, **TOL)  # the compiled write landed where eager's did
