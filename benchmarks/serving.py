@@ -48,12 +48,17 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _engine(model, args, device, prefix_caching: bool, pages: int):
+def _settings(args, device) -> dict:
+    """The engine's speed settings, as ``Engine`` takes them and each record reports them."""
     cuda = device.type == "cuda"
+    return dict(cuda_graphs=cuda, compile=cuda and args.compile,
+                overlap_planning=args.overlap_planning)
+
+
+def _engine(model, args, device, prefix_caching: bool, pages: int):
     return torch_cp.Engine(model, pages, PAGE, max_tokens_per_step=args.tokens_per_step,
-                           max_rows=args.max_rows, cuda_graphs=cuda,
-                           compile=cuda and args.compile,
-                           overlap_planning=args.overlap_planning, prefix_caching=prefix_caching)
+                           max_rows=args.max_rows, prefix_caching=prefix_caching,
+                           **_settings(args, device))
 
 
 def _warm_up(engine, args, device) -> None:
@@ -61,7 +66,7 @@ def _warm_up(engine, args, device) -> None:
     compiled layers two full chunks and a short one before them: a fresh chunk, chunks after a
     context and a second length, so every prefill shape they meet has compiled
     (``Engine(compile=True)``: once for the first length, once more for the others)."""
-    compiled = device.type == "cuda" and args.compile
+    compiled = _settings(args, device)["compile"]
     tokens = 2 * args.tokens_per_step + PAGE + 1 if compiled else PAGE + 1
     serve(engine, [(0.0, [1] * tokens)], 2, device)
 
@@ -141,12 +146,6 @@ def scenario_poisson(model, args, device, p: int) -> list[dict]:
     timing = serve(engine, arrivals, args.new_tokens, device)
     return [dict(scenario="poisson", P=p, rate=args.rate, prompt=args.prompt,
                  **_settings(args, device), **timing)]
-
-
-def _settings(args, device) -> dict:
-    cuda = device.type == "cuda"
-    return dict(cuda_graphs=cuda, compile=cuda and args.compile,
-                overlap_planning=args.overlap_planning)
 
 
 def main() -> None:

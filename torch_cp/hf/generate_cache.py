@@ -99,13 +99,15 @@ class GenerateCache(PagedKVCache):
             marked = attention_mask[:, :self.columns].to("cpu", torch.bool).sum(1).tolist()
         if marked == self.row_lens:
             return
-        fewer = marked is None or any(m < n for m, n in zip(marked, self.row_lens))
-        more = marked is not None and any(m > n for m, n in zip(marked, self.row_lens))
-        why = " and ".join(
-            ["a cached column cannot be masked out afterwards (keep 1 where the last call "
-             "generated, the padding after an EOS included)"] * fewer
-            + ["a column cached as padding cannot be marked real afterwards (keep the last "
-               "call's mask for its columns)"] * more)
+        pairs = [] if marked is None else list(zip(marked, self.row_lens))
+        reasons = []
+        if marked is None or any(m < n for m, n in pairs):
+            reasons.append("a cached column cannot be masked out afterwards (keep 1 where the "
+                           "last call generated, the padding after an EOS included)")
+        if any(m > n for m, n in pairs):
+            reasons.append("a column cached as padding cannot be marked real afterwards (keep "
+                           "the last call's mask for its columns)")
+        why = " and ".join(reasons)
         raise ValueError(
             f"the cache passed holds {self.row_lens} real tokens a row in its first "
             f"{self.columns} columns; the attention mask marks "
