@@ -17,6 +17,10 @@ layer's decode (output and LSE, as torch_cp asks for) with each variant FlashInf
   the work items a captured step of these rows gets; ``--triton B:W:P[:S],...`` adds a variant
   per tile (context tokens a tile, warps, programs an SM, pipeline stages), for tuning.
 
+``--layouts NHD,HND`` and ``--pages 16,64`` time FlashInfer's variants over other pool layouts
+and page sizes too (torch_cp's pool is NHD with the user's page; the Triton kernels read NHD
+only).
+
 Each variant's output is checked against ``fa2``'s (bf16 atol 2e-2: the same attention summed in
 another order). KV bytes over the time set against the copy bandwidth of the same run. A KV that
 fits the 50 MB L2 replays from it; inside a step the layers between evict it. ``--layers L``
@@ -26,6 +30,7 @@ times L layers' KV in turn (each its own tensor) and reports the time a layer.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -48,12 +53,12 @@ VARIANTS = ("fa2", "fa2_no_split", "fa3", "cuda_cores", "triton")
 
 
 def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
-                   workspace: torch.Tensor):
+                   workspace: torch.Tensor, layout: str = "NHD", page: int = PAGE):
     """A planned graph-ready wrapper for ``name`` over rows of ``lens`` tokens, and the call
     that runs it on a layer's KV (``triton:B:W:P[:S]``: the Triton kernels at that tile)."""
     device = q.device
     batch = len(lens)
-    pages = [-(-n // PAGE) for n in lens]
+    pages = [-(-n // page) for n in lens]
     i32 = dict(dtype=torch.int32, device=device)
     order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(0)).to(**i32)
     indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -73,9 +78,9 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
                                                block, warps, stages)
     import flashinfer
 
-    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lens, pages)], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)], dtype=torch.int32)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=name != "cuda_cores",
+        workspace, layout, use_cuda_graph=True, use_tensor_cores=name != "cuda_cores",
         paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
         paged_kv_indices_buffer=torch.zeros(sum(pages), **i32),
         paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
@@ -84,7 +89,7 @@ def decode_variant(name: str, shape: dict, lens: list[int], q: torch.Tensor,
              {"fixed_split_size": int(name.partition(":")[2])} if name.startswith("fa2_split:")
              else {})
     wrapper.plan(indptr, order, last, shape["q_heads"], shape["kv_heads"], shape["head_dim"],
-                 PAGE, q_data_type=DTYPE, kv_data_type=DTYPE, **extra)
+                 page, q_data_type=DTYPE, kv_data_type=DTYPE, **extra)
     return lambda kv: wrapper.run(q, kv, return_lse=True)
 
 
@@ -102,19 +107,23 @@ def row_lengths(case: str) -> list[int]:
 
 
 def run_case(shape: dict, lens: list[int], copy_bw: float, device, variants=VARIANTS,
-             layers: int = 1) -> dict:
-    pages = sum(-(-n // PAGE) for n in lens)
-    kvs = [torch.empty(pages, 2, PAGE, shape["kv_heads"], shape["head_dim"], dtype=DTYPE,
+             layers: int = 1, layout: str = "NHD", page: int = PAGE) -> dict:
+    pages = sum(-(-n // page) for n in lens)
+    heads_tokens = ((page, shape["kv_heads"]) if layout == "NHD"
+                    else (shape["kv_heads"], page))
+    kvs = [torch.empty(pages, 2, *heads_tokens, shape["head_dim"], dtype=DTYPE,
                        device=device).normal_() for _ in range(layers)]
     q = torch.randn(len(lens), shape["q_heads"], shape["head_dim"], dtype=DTYPE, device=device)
     kv_bytes = sum(lens) * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE.itemsize
     rec = dict(batch=len(lens), ctx=lens[0], longest=max(lens), kv_bytes=kv_bytes,
-               roofline_us=kv_bytes / copy_bw * 1e6, variants={})
+               roofline_us=kv_bytes / copy_bw * 1e6, layout=layout, page=page, variants={})
+    if (layout, page) != ("NHD", PAGE):
+        variants = [name for name in variants if not name.startswith("triton")]
     want = None
     for name in variants:
         workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
         try:
-            layer = decode_variant(name, shape, lens, q, workspace)
+            layer = decode_variant(name, shape, lens, q, workspace, layout, page)
             out, lse = layer(kvs[0])
             if want is None:
                 want = (out.clone(), lse.clone())
@@ -138,6 +147,8 @@ def main(argv=None) -> int:
                     help="more Triton tiles, 'block:warps:programs_per_sm[:stages],...'")
     ap.add_argument("--splits", default="",
                     help="more FlashInfer variants: the KV split fixed at N pages, 'N,...'")
+    ap.add_argument("--layouts", default="NHD", help="pool layouts, 'NHD,HND'")
+    ap.add_argument("--pages", default=str(PAGE), help="page sizes in tokens, '16,64'")
     ap.add_argument("--layers", type=int, default=1,
                     help="layers' KV timed in turn (4 puts 32 x 512 of Qwen3-30B-A3B past L2)")
     args = ap.parse_args(argv)
@@ -153,11 +164,13 @@ def main(argv=None) -> int:
     results.data["layers"] = args.layers
     rows = []
     for shape_name in args.shapes.split(","):
-        for case in args.sizes.split(",") if args.sizes else SIZES:
+        for case, layout, page in itertools.product(
+                args.sizes.split(",") if args.sizes else SIZES, args.layouts.split(","),
+                [int(p) for p in args.pages.split(",")]):
             rec = results.add(shape=shape_name, case=case,
                               **run_case(SHAPES[shape_name], row_lengths(case), copy_bw, device,
-                                         variants, args.layers))
-            row = {"shape": shape_name, "rows x context": case,
+                                         variants, args.layers, layout, page))
+            row = {"shape": shape_name, "rows x context": case, "layout": layout, "page": page,
                    "roofline us": rec["roofline_us"]}
             for name, v in rec["variants"].items():
                 row[f"{name} us"] = v.get("us")
@@ -165,7 +178,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, flush=True)
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    print(table(rows, list(rows[0])))
+    print(table(rows, list(dict.fromkeys(c for row in rows for c in row))))
     return 0
 
 
