@@ -78,12 +78,16 @@ def test_loaded_or_patched_under_inference_mode_the_weights_stay_writable(checkp
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
 
 
-@pytest.mark.parametrize("name, where", [("qwen3", None), ("qwen3_5", "text_config")])
+@pytest.mark.parametrize("name, top, text", [
+    ("qwen3", None, None), ("qwen3_5", None, "bfloat16"), ("qwen3_5", "float32", "bfloat16"),
+    ("qwen3_5", "float32", None)])
 def test_without_a_dtype_the_checkpoints_own_is_taken_as_transformers_takes_it(
-        checkpoints, tmp_path, name, where):
-    """A bf16 checkpoint whose config.json names its dtype nowhere, or (a multimodal one) only
-    in its text config: dtype None loads bf16, as transformers' default ("auto") does from the
-    first floating tensor, not float32."""
+        checkpoints, tmp_path, name, top, text):
+    """A bf16 checkpoint whose config.json names its dtype nowhere, or (a multimodal one) in its
+    text config, or only at its top level, or at its top level otherwise than in its text
+    config: dtype None loads bf16, as transformers' default ("auto") does from the text
+    config's dtype, else from the first floating tensor; a multimodal checkpoint's top-level
+    dtype is not read (the text model is built from the text config alone)."""
     import json
 
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name]) if \
@@ -91,13 +95,36 @@ def test_without_a_dtype_the_checkpoints_own_is_taken_as_transformers_takes_it(
             checkpoints[name])
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    dtype = config.pop("dtype")
-    if where:
-        config[where]["dtype"] = dtype
+    config.pop("dtype")
+    config.get("text_config", {}).pop("dtype", None)
+    for where, dtype in ((config, top), (config.get("text_config"), text)):
+        if dtype:
+            where["dtype"] = dtype
     (tmp_path / "config.json").write_text(json.dumps(config))
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     got = torch_cp.from_pretrained(tmp_path, device="cpu")
     assert want.dtype == got.dtype == torch.bfloat16
+    for key, tensor in want.state_dict().items():
+        assert torch.equal(got.state_dict()[key], tensor), key
+
+
+@pytest.mark.parametrize("first, last", [("shards", "one file"), ("one file", "shards")])
+def test_a_folder_saved_again_loads_what_transformers_loads(checkpoints, tmp_path, first, last):
+    """A folder saved again with another shard size holds both ``model.safetensors`` and the
+    shards' index (``save_pretrained`` removes neither): transformers reads the single file,
+    whichever was saved last; so does torch_cp (it read the index: it refused the folder
+    naming the shards the single file replaced, or loaded the other weights)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"])
+    negated = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"])
+    with torch.no_grad():
+        for p in negated.parameters():
+            p.neg_()
+    for saved, how in ((model, first), (negated, last)):
+        saved.save_pretrained(tmp_path, **({"max_shard_size": "30KB"} if how == "shards" else {}))
+    assert (tmp_path / "model.safetensors").is_file()
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    got = torch_cp.from_pretrained(tmp_path, device="cpu")
     for key, tensor in want.state_dict().items():
         assert torch.equal(got.state_dict()[key], tensor), key
 

@@ -1,7 +1,9 @@
 """A safetensors checkpoint's files and their headers: every tensor's key, file, shape and dtype.
 
 The files: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists (its
-``weight_map`` says which file holds each key). Their headers are read with
+``weight_map`` says which file holds each key) where there is no single file: the order
+transformers' ``from_pretrained`` looks in (a folder saved again with another shard size can
+hold both). Their headers are read with
 ``safetensors.safe_open`` before any weight, so missing files, files that are not safetensors
 (an interrupted copy) and keys the index misplaces are named first.
 """
@@ -38,14 +40,14 @@ def read_headers(path: Path) -> tuple[dict[str, Leaf], list[str]]:
     the problems found (no safetensors files, an index that is not JSON, files the index names
     that are missing or not safetensors, keys the index puts in a file that lacks them)."""
     index, single = path / INDEX, path / WEIGHTS
-    if index.is_file():
+    if single.is_file():
+        weight_map, files = None, [WEIGHTS]
+    elif index.is_file():
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
             files = sorted(set(weight_map.values()), key=dot_natural_key)
         except (ValueError, AttributeError, TypeError) as e:
             return {}, [f"{INDEX} is not a JSON object with a weight_map of file names ({e})"]
-    elif single.is_file():
-        weight_map, files = None, [WEIGHTS]
     else:
         return {}, [f"{path} holds no safetensors checkpoint ({WEIGHTS} or {INDEX})"]
     leaves, problems, unread = {}, [], set()

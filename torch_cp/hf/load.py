@@ -56,15 +56,15 @@ FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 
 
 def _dtype(dtype, config, leaves: dict, problems: list[str]) -> torch.dtype:
-    """The dtype asked for. None or "auto", as transformers' default: ``config.dtype``, else
-    the text config's (a multimodal checkpoint may name it only there), else the checkpoint's
-    first floating tensor's, else float32."""
+    """The dtype asked for. None or "auto", as transformers' default for the text model it
+    builds: the text config's ``dtype`` (a multimodal checkpoint's top-level one is not read:
+    ``AutoModelForCausalLM`` builds its text model from the text config alone), else the
+    checkpoint's first floating tensor's, else float32."""
     if dtype is None or dtype == "auto":
         on_file = (FILE_DTYPES[leaf.dtype] for leaf in leaves.values()
                    if leaf.dtype in FILE_DTYPES)
         text = config.get_text_config() if config is not None else None
-        dtype = (getattr(config, "dtype", None) or getattr(text, "dtype", None)
-                 or next(on_file, torch.float32))
+        dtype = getattr(text, "dtype", None) or next(on_file, torch.float32)
     if isinstance(dtype, str):  # "bfloat16", as config.json spells it
         dtype = getattr(torch, dtype, dtype)
     if dtype not in DTYPES:
