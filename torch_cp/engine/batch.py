@@ -42,7 +42,9 @@ class BatchRuns:
         conversations) with ``tokenizer``; a ``BatchEncoding`` / dict with ``input_ids`` and
         ``attention_mask`` (``[L]`` or ``[B, L]``), or ``[B, L]`` ids with ``attention_mask=``
         (padding stripped by the mask). See ``normalize_prompts``. ``tokenizer`` also decodes
-        ``Result.text``. ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
+        ``Result.text``. ``max_new_tokens``: one int for every prompt, or one per prompt.
+        ``sampling``: a ``SamplingParams`` for the whole call (None or the default: greedy).
+        ``progress``: one tqdm bar over prompt and generated tokens (rank 0).
         ``logprobs=k``: each ``Result`` carries every generated token's log-probability and the
         k most likely tokens' (``RequestOutput.logprobs``). ``eos_token_ids``: the ids that end
         a request (none by default, unlike ``generate``, which stops at the model's EOS).

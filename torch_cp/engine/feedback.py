@@ -62,7 +62,7 @@ def warn_ignored_sampling(sampling: SamplingParams) -> None:
 
 def max_positions(model) -> int | None:
     """The positions the model is meant for: the text config's ``max_position_embeddings`` or,
-    where its RoPE is scaled by a ``factor`` (YaRN, linear, dynamic: Qwen3 at 128k keeps 40960
+    where its RoPE is scaled by a ``factor`` (YaRN, linear, llama3: Qwen3 at 128k keeps 40960
     there), that factor times the original length when longer. None when the config has no
     positive int limit."""
     text = _text_config(model)

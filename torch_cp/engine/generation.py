@@ -135,7 +135,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         One ``Result`` per prompt, in order. A bad request (empty prompt, ids outside the
         vocabulary, more tokens than the pool can ever hold, max_new_tokens <= 0) gets
         ``finish_reason="error"`` and the others still complete. A request whose prompt +
-        max_new_tokens runs past the model's ``max_position_embeddings`` runs, with a warning.
+        max_new_tokens runs past the model's positions (``max_position_embeddings``, or a scaled
+        RoPE's factor times its original length when longer) runs, with a warning.
     Raises:
         ValueError: every problem at once, before anything is allocated: prompts in no form
             above, strings or chats without a (chat-capable) tokenizer, a mask that does not

@@ -66,8 +66,10 @@ class Serving:
         is one stop string and an int one stop token id (as transformers takes them). The
         model's EOS ends a request only as one of its ``stop_token_ids`` (``finish_reason``
         ``"stop"``; ``generate(stream=True)`` passes them). Warns as ``run`` does (top_k or
-        top_p at temperature 0, a request past ``max_position_embeddings``) unless
-        ``warn=False`` (a caller that warned for the whole batch)."""
+        top_p at temperature 0, a request past the model's positions) unless ``warn=False`` (a
+        caller that warned for the whole batch). ``max_new_tokens``: the most tokens to
+        generate; ``sampling``: a ``SamplingParams`` (None: greedy); ``logprobs=k``: each new
+        token's log-probability and the k most likely tokens' (``RequestOutput.logprobs``)."""
         problems = changed_model_problems(self.model, self.runtime)
         stop_token_ids, stop_strings = stops_of(stop_token_ids, stop_strings, tokenizer, problems)
         token_ids = token_ids_of(prompt)
