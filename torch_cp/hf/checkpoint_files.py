@@ -3,9 +3,9 @@
 The files: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists (its
 ``weight_map`` says which file holds each key) where there is no single file: the order
 transformers' ``from_pretrained`` looks in (a folder saved again with another shard size can
-hold both). Their headers are read with
-``safetensors.safe_open`` before any weight, so missing files, files that are not safetensors
-(an interrupted copy) and keys the index misplaces are named first.
+hold both). Their headers are read with ``safetensors.safe_open`` before any weight, so missing
+files, files that are not safetensors (an interrupted copy) and keys the index misplaces are
+named first.
 """
 
 from __future__ import annotations
