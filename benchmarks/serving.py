@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch_cp
 from benchmarks import models
 from benchmarks.common import appending_results, table
+from torch_cp.engine.memory import pool_fit_problems
 
 PAGE = 16
 
@@ -107,12 +108,17 @@ def serve(engine, arrivals: list[tuple[float, list[int]]], new_tokens: int, devi
 
 
 def scenario_prefix(model, args, device, p: int) -> list[dict]:
+    pages = args.requests * -(-(args.prefix + args.suffix + args.new_tokens) // PAGE)
+    # one H100 holds the pool of about 11 of the default 32 requests
+    for problem in pool_fit_problems(model.torch_cp, PAGE, pages):
+        raise SystemExit(f"{problem}: without prefix caching each request holds its own "
+                         f"{args.prefix}-token prefix; ask for fewer with --requests (now "
+                         f"{args.requests})")
     rng = random.Random(0)
     vocab = model.config.vocab_size
     prefix = [rng.randrange(3, vocab) for _ in range(args.prefix)]
     prompts = [prefix + [rng.randrange(3, vocab) for _ in range(args.suffix)]
                for _ in range(args.requests)]
-    pages = args.requests * -(-(args.prefix + args.suffix + args.new_tokens) // PAGE)
     records = []
     for caching in (False, True):
         engine = _engine(model, args, device, caching, pages)

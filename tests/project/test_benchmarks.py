@@ -105,3 +105,14 @@ def test_serving_benchmark_reuses_a_shared_prefix_and_serves_a_poisson_stream(tm
     off, on = rows["prefix", False], rows["prefix", True]
     assert off["reused_tokens"] == 0 < on["reused_tokens"]
     assert on["tokens"] == off["tokens"] and rows["poisson", None]["ttft_p99_s"] is not None
+
+
+def test_serving_benchmark_names_the_requests_a_pool_cannot_hold():
+    """Without caching every request holds its own prefix: a pool past the free memory (one
+    H100 holds about 11 of the default 32 requests at 16k) ends before the prompts are built,
+    naming ``--requests``."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--smoke", "--scenario",
+                           "prefix", "--requests", "100000", "--prefix", "100000000"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "fewer with --requests (now 100000)" in done.stderr, \
+        done.stderr[-3000:]
