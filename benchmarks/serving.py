@@ -110,9 +110,10 @@ def serve(engine, arrivals: list[tuple[float, list[int]]], new_tokens: int, devi
 def scenario_prefix(model, args, device, p: int) -> list[dict]:
     pages = args.requests * -(-(args.prefix + args.suffix + args.new_tokens) // PAGE)
     # one H100 holds the pool of about 11 of the default 32 requests
-    for problem in pool_fit_problems(model.torch_cp, PAGE, pages):
-        raise SystemExit(f"{problem}: without prefix caching each request holds its own "
-                         f"{args.prefix}-token prefix; ask for fewer with --requests (now "
+    problems = pool_fit_problems(model.torch_cp, PAGE, pages)
+    if problems:
+        raise SystemExit(f"{'; '.join(problems)}: without prefix caching each request holds its "
+                         f"own {args.prefix}-token prefix; ask for fewer with --requests (now "
                          f"{args.requests})")
     rng = random.Random(0)
     vocab = model.config.vocab_size

@@ -18,10 +18,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 pytestmark = pytest.mark.slow
 
 
-def run(args: list[str], timeout: int = 300) -> None:
+def run(args: list[str], timeout: int = 300, returncode: int = 0
+        ) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
 
 
 def records(path: Path) -> list[dict]:
@@ -111,8 +113,6 @@ def test_serving_benchmark_names_the_requests_a_pool_cannot_hold():
     """Without caching every request holds its own prefix: a pool past the free memory (one
     H100 holds about 11 of the default 32 requests at 16k) ends before the prompts are built,
     naming ``--requests``."""
-    done = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--smoke", "--scenario",
-                           "prefix", "--requests", "100000", "--prefix", "100000000"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "fewer with --requests (now 100000)" in done.stderr, \
-        done.stderr[-3000:]
+    done = run(["-m", "benchmarks.serving", "--smoke", "--scenario", "prefix", "--requests",
+                "100000", "--prefix", "100000000"], returncode=1)
+    assert "fewer with --requests (now 100000)" in done.stderr, done.stderr[-3000:]
