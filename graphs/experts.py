@@ -72,6 +72,20 @@ def kernel_routers(model: nn.Module, device: torch.device) -> list[tuple[nn.Modu
     return [(r, fused_router.fused_forward(r)) for r in fused_router.routers(model)]
 
 
+# torch's grouped GEMM (transformers' ``grouped_mm`` experts, torch_cp's ``sorted_experts``)
+# takes operands whose rows are a multiple of 16 bytes only ("strides should be multiple of 16
+# bytes"). A TP shard of the intermediate channels can break that where the whole model kept it:
+# 12 float32 channels over tp = 2 are rows of 24 bytes (helper 106).
+GROUPED_MM_ROW_BYTES = 16
+
+
+def grouped_mm_fits(experts: nn.Module) -> bool:
+    """Whether torch's grouped GEMM takes ``experts``: its hidden and intermediate sizes (the
+    rows of its weights and of the activations between them) multiples of 16 bytes."""
+    size = experts.down_proj.element_size()
+    return all(n * size % GROUPED_MM_ROW_BYTES == 0 for n in _hidden_inter(experts))
+
+
 def available(name: str, device: torch.device) -> bool:
     """Whether implementation ``name`` can be chosen on ``device``."""
     return name != "torch_cp_fused" or register_fused(device)
@@ -138,16 +152,50 @@ def capturable_experts(model: nn.Module) -> str | None:
     current = {compat.experts_implementation(e) for e in experts}
     if all(capturable(name, dtype, device) for name in current):
         return None
-    choice = next(n for n in PREFERRED if available(n, device) and capturable(n, dtype, device))
-    runtime = getattr(model, "torch_cp", None)
-    if runtime is not None and runtime.experts_before is None:
-        runtime.experts_before = (model.config._experts_implementation,
-                                  [(e.config, compat.experts_implementation(e)) for e in experts])
-    compat.set_experts_implementation(model, experts, choice)
+    fit = all(map(grouped_mm_fits, experts))
+    choice = next(n for n in PREFERRED if available(n, device) and capturable(n, dtype, device)
+                  and (fit or n != "grouped_mm"))
+    _switch(model, experts, choice, getattr(model, "torch_cp", None))
     log.warning("torch_cp: MoE experts implementation %s cannot be captured in a CUDA graph "
                 "with %s weights; switched to %r (model.set_experts_implementation)",
                 "/".join(sorted(map(repr, current))), str(dtype).removeprefix("torch."), choice)
     return choice
+
+
+def experts_grouped_mm_takes(model: nn.Module, runtime) -> str | None:
+    """Switch the MoE experts of ``model`` from ``grouped_mm`` to ``batched_mm`` where torch's
+    grouped GEMM cannot take their shapes (``grouped_mm_fits``), logged once, recording the
+    implementations before in ``runtime`` for ``unpatch_model``; patch_model calls it after TP
+    sharding. Returns the implementation switched to, or None when nothing changed."""
+    experts = [e for e in experts_modules(model) if _dispatches(e)]
+    unfit = [e for e in experts
+             if compat.experts_implementation(e) == "grouped_mm" and not grouped_mm_fits(e)]
+    if not unfit:
+        return None
+    _switch(model, experts, "batched_mm", runtime)
+    down = unfit[0].down_proj
+    log.warning("torch_cp: grouped_mm takes MoE experts whose rows are multiples of %d bytes, "
+                "and these (%s hidden x %s intermediate channels on this rank, %s) are not; "
+                "switched to 'batched_mm' (model.set_experts_implementation)",
+                GROUPED_MM_ROW_BYTES, *_hidden_inter(unfit[0]),
+                str(down.dtype).removeprefix("torch."))
+    return "batched_mm"
+
+
+def _hidden_inter(experts: nn.Module) -> tuple[int, int]:
+    """The hidden and intermediate sizes of ``experts`` (this rank's, under TP)."""
+    down = experts.down_proj
+    return (down.shape[2], down.shape[1]) if getattr(experts, "is_transposed", False) \
+        else (down.shape[1], down.shape[2])
+
+
+def _switch(model: nn.Module, experts: list[nn.Module], choice: str, runtime) -> None:
+    """Set ``choice`` on ``model`` and ``experts``, first recording in ``runtime`` (if any, and
+    not recorded yet) what they had."""
+    if runtime is not None and runtime.experts_before is None:
+        runtime.experts_before = (model.config._experts_implementation,
+                                  [(e.config, compat.experts_implementation(e)) for e in experts])
+    compat.set_experts_implementation(model, experts, choice)
 
 
 def restore_experts(model: nn.Module, before: tuple) -> None:

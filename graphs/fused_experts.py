@@ -12,7 +12,8 @@ Registered as transformers' experts implementation ``"torch_cp_fused"``
 (``model.set_experts_implementation("torch_cp_fused")``): steps of at most ``MAX_PAIRS``
 (token, expert) pairs take the kernels, steps of at most ``MAX_GROUPED_PAIRS`` the kernels of
 ``grouped_experts`` (each routed expert read once), larger steps (prefill) ``sorted_experts``
-(``grouped_mm``'s GEMMs) where a graph can hold them, else transformers' ``batched_mm``. Experts
+(``grouped_mm``'s GEMMs) where a graph can hold them and torch's grouped GEMM takes their
+shapes, else transformers' ``batched_mm``. Experts
 of other shapes (biases, transposed or interleaved weights, another activation, a post-expert
 norm, expert parallelism) take transformers' ``grouped_mm`` or ``batched_mm``.
 """
@@ -28,7 +29,7 @@ from transformers.integrations import moe
 
 from torch_cp import compat, pdl
 from torch_cp.graphs import grouped_experts as ge
-from torch_cp.graphs.experts import capturable
+from torch_cp.graphs.experts import capturable, grouped_mm_fits
 from torch_cp.graphs.pair_sums import sum_pairs
 from torch_cp.graphs.sorted_experts import sorted_experts
 from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
@@ -182,7 +183,7 @@ def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
         kernels = fused_experts if pairs <= MAX_PAIRS else ge.grouped_experts
         return kernels(self, hidden_states, top_k_index, top_k_weights)
     w = self.down_proj
-    if not capturable("grouped_mm", w.dtype, w.device):
+    if not (capturable("grouped_mm", w.dtype, w.device) and grouped_mm_fits(self)):
         return moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     grouped = sorted_experts if fits(self) else moe.grouped_mm_experts_forward
     return grouped(self, hidden_states, top_k_index, top_k_weights)

@@ -20,8 +20,10 @@ from torch_cp.graphs.experts import (
     available,
     capturable,
     capturable_experts,
+    experts_grouped_mm_takes,
     experts_modules,
     experts_problems,
+    grouped_mm_fits,
 )
 
 
@@ -64,6 +66,37 @@ def test_unpatch_puts_back_the_experts_a_capture_switched(family):
     assert capturable_experts(model) == "grouped_mm"
     torch_cp.unpatch_model(model)
     assert implementations(model) == {"eager"} and model.config._experts_implementation == "eager"
+
+
+def test_experts_grouped_mm_cannot_take_are_switched_at_patch_and_back_at_unpatch(caplog):
+    """6 float32 intermediate channels: rows of 24 bytes, which torch's grouped GEMM refuses. A
+    TP shard can make them from a model that has none (helper 106; at tp = 2:
+    test_patch_multirank's qwen3_moe TP case); here one process's model has them itself."""
+    model = tiny_model("qwen3_moe", moe_intermediate_size=6)
+    assert not grouped_mm_fits(experts_modules(model)[0])
+    assert implementations(model) == {"grouped_mm"}
+    with pytest.raises(RuntimeError, match="16 bytes"):  # what it did before the switch
+        model(IDS)
+    model.set_experts_implementation("eager")
+    want = model.generate(IDS, max_new_tokens=4, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    model.set_experts_implementation("grouped_mm")
+    with caplog.at_level(logging.WARNING, logger="torch_cp"):
+        torch_cp.patch_model(model)
+    assert implementations(model) == {"batched_mm"}
+    (message,) = [r.getMessage() for r in caplog.records if "switched to" in r.getMessage()]
+    assert "16 bytes" in message and "6 intermediate" in message
+    got = model.generate(IDS, max_new_tokens=4, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5,
+                               rtol=1e-5)
+    torch_cp.unpatch_model(model)
+    assert implementations(model) == {"grouped_mm"}
+    fitting = tiny_model("qwen3_moe")
+    assert grouped_mm_fits(experts_modules(fitting)[0])
+    assert experts_grouped_mm_takes(fitting, None) is None
+    assert implementations(fitting) == {"grouped_mm"}
 
 
 def test_a_capturable_choice_is_kept():

@@ -34,7 +34,7 @@ import torch
 from gpu_models import MOE_MODELS, NEW_TOKENS, assert_equal_but_near_ties, prompts, tokens
 
 import torch_cp
-from torch_cp.graphs.experts import capturable, experts_modules
+from torch_cp.graphs.experts import capturable, experts_modules, grouped_mm_fits
 
 pytest.importorskip("triton", reason="the kernels are Triton (CPU: its interpreter)")
 from transformers.integrations import moe  # noqa: E402
@@ -227,6 +227,23 @@ def test_decode_sized_steps_take_the_kernels_and_larger_ones_sorted_experts(monk
             else moe.batched_mm_experts_forward)(experts, *large)
     assert torch.equal(fe.fused_experts_forward(experts, *large), want)
     assert len(calls) == before, "experts the kernels cannot read take transformers' own"
+
+
+def test_large_steps_of_experts_grouped_mm_cannot_take_run_batched_mm(monkeypatch):
+    """A TP shard of 6 float32 intermediate channels (Qwen3-MoE's 12 over tp = 2, helper 106):
+    rows of 24 bytes, which torch's grouped GEMM refuses ("strides should be multiple of 16
+    bytes"); such a step took sorted_experts and raised."""
+    experts = experts_of("qwen3_moe", torch.float32)
+    inter = experts.down_proj.shape[2]
+    gate_up = experts.gate_up_proj.detach()
+    experts.gate_up_proj = torch.nn.Parameter(
+        torch.cat([gate_up[:, :6], gate_up[:, inter:inter + 6]], dim=1))
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[..., :6].contiguous())
+    monkeypatch.setattr(fe, "MAX_GROUPED_PAIRS", 2 * fe.MAX_PAIRS)  # fewer steps interpreted
+    large = routed(fe.MAX_GROUPED_PAIRS // 2 + 1, torch.float32)
+    assert fe.fits(experts) and not grouped_mm_fits(experts)
+    assert torch.equal(fe.fused_experts_forward(experts, *large),
+                       moe.batched_mm_experts_forward(experts, *large))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU models through Triton's interpreter; on the GPU "

@@ -19,6 +19,7 @@ from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
 from torch_cp.fused_linear import FusedLinear, fuse_gate_up, fuse_in_projections, gated_mlps
 from torch_cp.graphs.experts import (
+    experts_grouped_mm_takes,
     experts_modules,
     kernel_routers,
     register_fused,
@@ -145,6 +146,7 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
             _replace_forward(runtime, mlp, fuse_gate_up(mlp))
         if experts_modules(model):
             register_fused(s.device)  # so "torch_cp_fused" can be set by name
+            experts_grouped_mm_takes(model, runtime)  # a TP shard may be rows it cannot take
         for linear in gemv.plain_linears(model):
             _replace_forward(runtime, linear, gemv.forward_of(linear))
         for router, forward in kernel_routers(model, s.device):
@@ -180,8 +182,6 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         raise ValueError(f"the model was sharded over tp = {runtime.tp}: TP sharding is one-way, "
                          f"reload the model instead of unpatching it")
     _restore(model, runtime)
-    if runtime.experts_before is not None:
-        restore_experts(model, runtime.experts_before)
     model_generate.uninstall_generate(model)
     del model.torch_cp
     return model
@@ -190,11 +190,14 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 def _restore(model: nn.Module, runtime: ModelRuntime, failed: bool = False) -> None:
     """Put back each forward ``runtime`` replaced, and unfuse every fused weight (a patch that
     ``failed`` may have fused a module's before replacing its forward; out of memory then, the
-    linears unfusing would copy stay views of their fused weight, their values alike)."""
+    linears unfusing would copy stay views of their fused weight, their values alike), and the
+    experts implementations switched."""
     for module, original in reversed(runtime.originals):
         del module.forward
         if original is not _ABSENT:
             module.forward = original
+    if runtime.experts_before is not None:
+        restore_experts(model, runtime.experts_before)
     fused_groups = []
     for module in model.modules():
         for name in ("cp_attention", "cp_state", "cp_in", "cp_gate_up"):
