@@ -162,7 +162,7 @@ def capturable_experts(model: nn.Module) -> str | None:
     return choice
 
 
-def experts_grouped_mm_takes(model: nn.Module, runtime) -> str | None:
+def avoid_unfit_grouped_mm(model: nn.Module, runtime) -> str | None:
     """Switch the MoE experts of ``model`` from ``grouped_mm`` to ``batched_mm`` where torch's
     grouped GEMM cannot take their shapes (``grouped_mm_fits``), logged once, recording the
     implementations before in ``runtime`` for ``unpatch_model``; patch_model calls it after TP

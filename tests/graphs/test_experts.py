@@ -18,9 +18,9 @@ import torch_cp
 from torch_cp.graphs.experts import (
     PREFERRED,
     available,
+    avoid_unfit_grouped_mm,
     capturable,
     capturable_experts,
-    experts_grouped_mm_takes,
     experts_modules,
     experts_problems,
     grouped_mm_fits,
@@ -95,7 +95,7 @@ def test_experts_grouped_mm_cannot_take_are_switched_at_patch_and_back_at_unpatc
     assert implementations(model) == {"grouped_mm"}
     fitting = tiny_model("qwen3_moe")
     assert grouped_mm_fits(experts_modules(fitting)[0])
-    assert experts_grouped_mm_takes(fitting, None) is None
+    assert avoid_unfit_grouped_mm(fitting, None) is None
     assert implementations(fitting) == {"grouped_mm"}
 
 

@@ -19,7 +19,7 @@ from torch_cp.attention.module import ContextParallelAttention
 from torch_cp.attention.select import make_backend
 from torch_cp.fused_linear import FusedLinear, fuse_gate_up, fuse_in_projections, gated_mlps
 from torch_cp.graphs.experts import (
-    experts_grouped_mm_takes,
+    avoid_unfit_grouped_mm,
     experts_modules,
     kernel_routers,
     register_fused,
@@ -146,7 +146,7 @@ def patch_validated(model: nn.Module, s: PatchSettings, mesh, shard: bool = True
             _replace_forward(runtime, mlp, fuse_gate_up(mlp))
         if experts_modules(model):
             register_fused(s.device)  # so "torch_cp_fused" can be set by name
-            experts_grouped_mm_takes(model, runtime)  # a TP shard may be rows it cannot take
+            avoid_unfit_grouped_mm(model, runtime)  # a TP shard may be rows it cannot take
         for linear in gemv.plain_linears(model):
             _replace_forward(runtime, linear, gemv.forward_of(linear))
         for router, forward in kernel_routers(model, s.device):
