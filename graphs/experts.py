@@ -199,7 +199,8 @@ def _switch(model: nn.Module, experts: list[nn.Module], choice: str, runtime) ->
 
 
 def restore_experts(model: nn.Module, before: tuple) -> None:
-    """Put back the experts implementations ``capturable_experts`` recorded (``unpatch_model``)."""
+    """Put back the experts implementations ``capturable_experts`` or ``avoid_unfit_grouped_mm``
+    recorded (``unpatch_model``)."""
     model_choice, configs = before
     model.set_experts_implementation(model_choice)
     for config, name in configs:

@@ -13,9 +13,9 @@ Registered as transformers' experts implementation ``"torch_cp_fused"``
 (token, expert) pairs take the kernels, steps of at most ``MAX_GROUPED_PAIRS`` the kernels of
 ``grouped_experts`` (each routed expert read once), larger steps (prefill) ``sorted_experts``
 (``grouped_mm``'s GEMMs) where a graph can hold them and torch's grouped GEMM takes their
-shapes, else transformers' ``batched_mm``. Experts
-of other shapes (biases, transposed or interleaved weights, another activation, a post-expert
-norm, expert parallelism) take transformers' ``grouped_mm`` or ``batched_mm``.
+shapes, else transformers' ``batched_mm``. Experts of other shapes (biases, transposed or
+interleaved weights, another activation, a post-expert norm, expert parallelism) take
+transformers' ``grouped_mm`` or ``batched_mm``.
 """
 
 from __future__ import annotations

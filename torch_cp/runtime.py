@@ -37,9 +37,10 @@ class ModelRuntime:
             DeltaNet, gated MLP and router modules).
         linear: per-rank shapes of a hybrid model's linear-attention layers (None: no state).
         linear_kernels: their kernels, ``"torch"`` or ``"fla"`` (``torch_cp.state.kernels``).
-        experts_before: the MoE experts implementations before a capture switched them (the
-            model's and each experts module's config's; ``graphs.experts.capturable_experts``),
-            which ``unpatch_model`` puts back; None while nothing was switched.
+        experts_before: the MoE experts implementations before torch_cp first switched them
+            (the model's and each experts module's config's; ``graphs.experts``: before a
+            capture, ``capturable_experts``; at patching, ``avoid_unfit_grouped_mm``), which
+            ``unpatch_model`` puts back; None while nothing was switched.
     """
 
     placement: ContextParallel
