@@ -25,8 +25,8 @@ from torch.nn import functional as F
 
 from benchmarks.common import Results, copy_bandwidth, kernel_times, run_header, table, time_ms
 from benchmarks.models import config_for
-from graphs.fused_experts import fused_experts
 from torch_cp import gemv, pdl
+from torch_cp.graphs.fused_experts import fused_experts
 
 
 @dataclass(frozen=True)
