@@ -8,7 +8,8 @@ caching, in one run and across runs (the cache persists), with logprobs equal to
 without caching; later requests start at a checkpoint boundary (fewer prompt tokens run); with
 one checkpoint slot (evicted over and over) and steps launched ahead tokens stay equal; every
 page and state slot returns.
-At P = 2 (TP and SP modes, gloo) tokens with caching equal tokens without on every rank.
+At P = 2 (TP and SP modes, gloo) and P = 4 (SP mode) tokens with caching equal tokens without
+on every rank.
 
 Tolerance for logprobs: fp32, atol 1e-3, as tests/models/test_hybrid.py's logits (the runs cut
 the prompts into other chunks: the recurrent state carries float32 reassociation of ~1e-6,
@@ -162,12 +163,15 @@ def test_a_state_pool_past_the_free_memory_is_refused_before_allocation(model, m
             Engine(model, PAGES, PAGE, **kwargs)
 
 
-MESHES = {"tp": dict(tp=2, sp=1), "sp": dict(tp=1, sp=2)}
+# Over gloo ranks, in one spawn per world: P = 2 in TP and SP mode, P = 4 in SP mode (its two
+# linear-attention key heads do not split over tp = 4); the tiny model's one KV head over every
+# partner, P = world.
+MESHES = {2: {"tp": dict(tp=2, sp=1), "sp": dict(tp=1, sp=2)}, 4: {"sp": dict(tp=1, sp=4)}}
 
 
 def _ranks(rank: int, world: int) -> dict:
     out = {}
-    for mode, axes in MESHES.items():
+    for mode, axes in MESHES[world].items():
         mesh = init_mesh(**axes, device_type="cpu")
         model = torch_cp.patch_model(tiny(), mesh=mesh, context_parallel=True, mode=mode,
                                      page_size=PAGE)
@@ -177,5 +181,7 @@ def _ranks(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_tokens_with_caching_equal_tokens_without_at_p2(reference):
-    assert_caching_changes_nothing(run_ranks(2, _ranks), MESHES, reference, PAGES)
+@pytest.mark.parametrize("partners", [2, 4])
+def test_tokens_with_caching_equal_tokens_without_at_p(reference, partners):
+    assert_caching_changes_nothing(run_ranks(partners, _ranks), MESHES[partners], reference,
+                                   PAGES)
