@@ -4,12 +4,12 @@ costs before anything else runs.
 One CUDA graph holds, for each of the model's layers (each with its own weights, of the model's
 shapes), only the kernels that read weights, in the step's order and each fed by the one before:
 the q/k/v, o (and the router's) one-token linears (``torch_cp.gemv``), then the experts (the
-fused pair kernels over ``top_k`` distinct experts, ``graphs.fused_experts``, and the sum of a
-token's pairs: two torch kernels here, in the engine's compiled layers one with the residual add)
-or the dense MLP's gate/up and down; last the LM head (cuBLAS, as in the engine). No norm, RoPE,
-pool write, attention, routing choice or SiLU. The dependent launch on and off, as in the
-engine. Its time against the copy time of the same bytes shows what the linears alone cost at
-batch 1; a whole step (``benchmarks.generate``) minus it, what all else costs.
+fused pair kernels over ``top_k`` distinct experts, ``torch_cp.graphs.fused_experts``, and the
+sum of a token's pairs: two torch kernels here, in the engine's compiled layers one with the
+residual add) or the dense MLP's gate/up and down; last the LM head (cuBLAS, as in the engine).
+No norm, RoPE, pool write, attention, routing choice or SiLU. The dependent launch on and off,
+as in the engine. Its time against the copy time of the same bytes shows what the linears alone
+cost at batch 1; a whole step (``benchmarks.generate``) minus it, what all else costs.
 
     python -m benchmarks.floor --models qwen3_moe,qwen3 --out benchmarks/results/floor.json
 """
