@@ -191,6 +191,15 @@ def graph_time_ms(fn: Callable[[], object], device: torch.device, iters: int = 5
                   per_graph: int = 10) -> float:
     """Mean milliseconds of ``fn`` replayed from a CUDA graph of ``per_graph`` calls: kernel time
     without launch overhead, as inside a captured decode step."""
+    graph = captured(fn, device, calls=per_graph)
+    reps = max(1, iters // per_graph)
+    return time_ms(graph.replay, device, iters=reps, warmup=2) / per_graph
+
+
+def captured(fn: Callable[[], object], device: torch.device, calls: int = 1
+             ) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, captured after three warm-up calls on a side
+    stream."""
     assert device.type == "cuda"
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -200,10 +209,9 @@ def graph_time_ms(fn: Callable[[], object], device: torch.device, iters: int = 5
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(per_graph):
+        for _ in range(calls):
             fn()
-    reps = max(1, iters // per_graph)
-    return time_ms(graph.replay, device, iters=reps, warmup=2) / per_graph
+    return graph
 
 
 def kernel_times(fn: Callable[[], object], device: torch.device) -> dict[str, tuple[float, int]]:

@@ -23,7 +23,15 @@ from types import SimpleNamespace
 import torch
 from torch.nn import functional as F
 
-from benchmarks.common import Results, copy_bandwidth, kernel_times, run_header, table, time_ms
+from benchmarks.common import (
+    Results,
+    captured,
+    copy_bandwidth,
+    kernel_times,
+    run_header,
+    table,
+    time_ms,
+)
 from benchmarks.models import config_for
 from torch_cp import gemv, pdl
 from torch_cp.graphs.fused_experts import fused_experts
@@ -117,19 +125,6 @@ def reference_experts(experts, x_td, ids_tk, weights_tk) -> torch.Tensor:
     return out.to(x_td.dtype)
 
 
-def _captured(fn, device: torch.device) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return graph
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen3_moe,qwen3",
@@ -149,7 +144,7 @@ def main() -> None:
             roof_ms = shape.bytes_read() / bandwidth * 1e3
             for on in (True, False):
                 pdl.ENABLED = on
-                graph = _captured(chain.step, device)
+                graph = captured(chain.step, device)
                 ms = time_ms(graph.replay, device, iters=args.iters, warmup=3)
                 kernels = kernel_times(graph.replay, device)
                 per_kernel = {k: dict(ms=v[0], calls=v[1]) for k, v in
