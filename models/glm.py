@@ -7,4 +7,4 @@ FAMILY = GQAFamily(modeling={
     "glm": ("transformers.models.glm.modeling_glm", "GlmAttention"),
     "glm4": ("transformers.models.glm4.modeling_glm4", "Glm4Attention"),
     "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeAttention"),
-})
+}, rotate_halves=frozenset({"glm4_moe"}))

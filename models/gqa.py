@@ -16,8 +16,10 @@ from typing import Literal
 
 import torch
 from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from torch_cp.attention.backend import AttentionGeometry
+from torch_cp.layers import forward_source
 from torch_cp.mesh import KVHeadLayout, kv_head_replicas
 from torch_cp.placement import ContextParallel
 from torch_cp.tp import keep_in_features, keep_out_features
@@ -66,6 +68,17 @@ def gqa_geometry(config, tp: int, placement: ContextParallel) -> AttentionGeomet
         context_q_heads=q_heads * placement.size if tp_mode else q_heads)
 
 
+_PLAIN_RMS_NORM = forward_source(Qwen3RMSNorm)
+
+
+def plain_rms_norms(module) -> frozenset[type]:
+    """The RMSNorm classes of a modeling module whose forward is Qwen3's (float32, times the
+    rsqrt of the mean of squares, rounded, times the weight): what ``rotate_and_write`` runs."""
+    return frozenset(cls for cls in vars(module).values() if isinstance(cls, type)
+                     and issubclass(cls, nn.Module) and cls.__name__.endswith("RMSNorm")
+                     and forward_source(cls) == _PLAIN_RMS_NORM)
+
+
 @dataclass(frozen=True)
 class GQAFamily:
     """A GQA family; see ``torch_cp.models.base.Family``.
@@ -73,17 +86,42 @@ class GQAFamily:
     Attributes:
         modeling: model type -> (Hugging Face modeling module, attention class name). The patched
             forward uses that module's ``apply_rotary_pos_emb``, so RoPE matches it exactly.
+        rotate_halves: the model types whose RoPE is ``rotate_half`` over the first rotary
+            dims, the rest passed through: the pool's one kernel runs their norms and RoPE
+            (``GQAPool.rotate_and_write``) where it can and their q/k norms are ``plain_norms``.
         ropes: model type -> that RoPE function (resolved once, so the forward stays traceable).
+        plain_norms: the RMSNorm classes of those types' modeling modules that the kernel runs
+            (``plain_rms_norms``; found once: the forward's trace cannot read source).
     """
 
     modeling: Mapping[str, tuple[str, str]]
+    rotate_halves: frozenset[str] = frozenset()
     kind: Literal["gqa", "mla"] = "gqa"
     ropes: Mapping[str, Callable] = field(init=False, repr=False)
+    plain_norms: frozenset[type] = field(init=False, repr=False)
 
     def __post_init__(self):
-        ropes = {t: importlib.import_module(m).apply_rotary_pos_emb
-                 for t, (m, _) in self.modeling.items()}
-        object.__setattr__(self, "ropes", ropes)
+        modules = {t: importlib.import_module(m) for t, (m, _) in self.modeling.items()}
+        object.__setattr__(self, "ropes", {t: m.apply_rotary_pos_emb for t, m in modules.items()})
+        object.__setattr__(self, "plain_norms", frozenset().union(
+            *(plain_rms_norms(modules[t]) for t in self.rotate_halves)))
+
+    def norms_for_kernel(self, attn: nn.Module, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
+        """(q weight, k weight, eps) of ``attn``'s q/k norms for ``rotate_and_write`` on
+        projections of ``dtype``: (None, None, 0.0) without norms; None where the kernel does
+        not run this model's norms and RoPE (a weight of another dtype promotes the norm's
+        output)."""
+        if attn.config.model_type not in self.rotate_halves:
+            return None
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None and k_norm is None:
+            return None, None, 0.0
+        if (type(q_norm) not in self.plain_norms or type(k_norm) not in self.plain_norms
+                or q_norm.variance_epsilon != k_norm.variance_epsilon
+                or not q_norm.weight.dtype == k_norm.weight.dtype == dtype):
+            return None
+        return q_norm.weight, k_norm.weight, float(q_norm.variance_epsilon)
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -123,9 +161,15 @@ class GQAFamily:
         d = head_dim_of(attn.config)
         q, k, v = attn.cp_in(x_nd)  # q_proj, k_proj, v_proj as one GEMM (fused_linear.py)
         q_nhd, k_nhd, v_nhd = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
-        if getattr(attn, "q_norm", None) is not None:
-            q_nhd, k_nhd = attn.q_norm(q_nhd), attn.k_norm(k_nhd)
-        rope = self.ropes[attn.config.model_type]
-        q_nhd, k_nhd = rope(q_nhd, k_nhd, cos_nd, sin_nd, unsqueeze_dim=1)
-        out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, pool, plan)
+        norms = self.norms_for_kernel(attn, q_nhd.dtype)
+        written = norms is not None and pool.rotates(q_nhd, cos_nd)
+        if written:  # the norms, RoPE and the pool write in one kernel
+            q_nhd, k_nhd = pool.rotate_and_write(attn.cp_attention.layer_idx, q_nhd, k_nhd, v_nhd,
+                                                 *norms, cos_nd, sin_nd, plan.write_index)
+        else:
+            if getattr(attn, "q_norm", None) is not None:
+                q_nhd, k_nhd = attn.q_norm(q_nhd), attn.k_norm(k_nhd)
+            rope = self.ropes[attn.config.model_type]
+            q_nhd, k_nhd = rope(q_nhd, k_nhd, cos_nd, sin_nd, unsqueeze_dim=1)
+        out_nhd = attn.cp_attention(q_nhd, k_nhd, v_nhd, pool, plan, written=written)
         return attn.o_proj(out_nhd.reshape(n, -1))

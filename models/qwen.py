@@ -6,4 +6,4 @@ FAMILY = GQAFamily(modeling={
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention"),
-})
+}, rotate_halves=frozenset({"qwen2", "qwen3", "qwen3_moe"}))

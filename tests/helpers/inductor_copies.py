@@ -14,7 +14,8 @@ import json
 import types
 
 MODULES = ["torch_cp.gemv", "torch_cp.pdl", "torch_cp.attention.triton_decode",
-           "torch_cp.kv.write_kernel", "torch_cp.state.conv_kernel", "torch_cp.state.decode_kernel",
+           "torch_cp.kv.write_kernel", "torch_cp.kv.rotate_kernel", "torch_cp.state.conv_kernel",
+           "torch_cp.state.decode_kernel",
            "torch_cp.graphs.grouped_experts", "torch_cp.graphs.fused_experts",
            "torch_cp.graphs.fused_router"]
 

@@ -40,16 +40,18 @@ class ContextParallelAttention(nn.Module):
         self.merge_own = own_tokens_merge(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool,
-                plan: StepPlan) -> torch.Tensor:
+                plan: StepPlan, written: bool = False) -> torch.Tensor:
         """Args:
             q: [N, H, Dk] this rank's query heads (MLA: absorbed ``q_nope | q_pe``).
             k, v: the step's new keys/values, [N, Hkv, D] (MLA: ``ckv`` [N, R], ``kpe`` [N, rope]).
             pool: the layer's placed pool (``GQAPool`` or ``MLAPool``).
             plan: the step plan (built for this partner).
+            written: k and v are in the pool already (``GQAPool.rotate_and_write``).
         Returns:
             [N, H, Dv] attention output (MLA: in latent space, before W_UV).
         """
-        pool.write(self.layer_idx, k, v, plan.write_index)
+        if not written:
+            pool.write(self.layer_idx, k, v, plan.write_index)
         if not plan.attends_context:  # merging an empty context partial would change nothing
             return own_partial(q, k, v, self.handle)[0]
         placement = self.exchange.placement

@@ -7,6 +7,7 @@ Each page holds ``page_size // P`` slots (see ``torch_cp.placement``).
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -46,6 +47,28 @@ class GQAPool:
         """Store new tokens' ``k_nhd``/``v_nhd`` [N, kv_heads, head_dim] at flat physical slots."""
         write_layer(self.tensors, k_nhd, v_nhd, write_index, layer_idx)
 
+    def rotates(self, q_nhd: torch.Tensor, cos_nr: torch.Tensor) -> bool:
+        """Whether ``rotate_and_write`` runs its one kernel here: the pool on CUDA with Triton
+        (or Triton's interpreter where a test asks, ``ROTATE_IN_INTERPRETER``), and the
+        queries, RoPE's tables and the pool in one dtype."""
+        return (ROTATE_IN_ONE_KERNEL and _HAS_TRITON and (self.kv.is_cuda or ROTATE_IN_INTERPRETER)
+                and q_nhd.dtype == cos_nr.dtype == self.kv.dtype)
+
+    def rotate_and_write(self, layer_idx: int, q_nhd: torch.Tensor, k_nhd: torch.Tensor,
+                         v_nhd: torch.Tensor, q_weight: torch.Tensor | None,
+                         k_weight: torch.Tensor | None, eps: float, cos_nr: torch.Tensor,
+                         sin_nr: torch.Tensor, write_index: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens' queries and keys through their RMSNorms (``q_weight``/``k_weight`` [D],
+        or None) and rotate-half RoPE over ``cos_nr``'s dims, the keys and ``v_nhd`` stored at
+        flat physical slots; returns the normed, rotated q and k. One kernel
+        (``rotate_kernel``); only where ``rotates`` says."""
+        if torch.compiler.is_compiling():
+            return rotate_and_write(self.tensors, q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps,
+                                   cos_nr, sin_nr, write_index, layer_idx)
+        return _kernel("norm_rope_write")(q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps, cos_nr,
+                                          sin_nr, self.kv[layer_idx], write_index)
+
     @property
     def bytes(self) -> int:
         return _bytes(self.tensors)
@@ -74,15 +97,21 @@ def rows_dense(x_nhd: torch.Tensor) -> bool:
     return x_nhd.stride(2) == 1 and x_nhd.stride(1) == x_nhd.shape[2]
 
 
-@functools.cache
 def _kernel_writer():
     """``write_kernel.write_kv_rows`` where Triton is installed (a dependency on Linux), else
     None (``index_put_`` instead); imported on first GPU use."""
+    return _kernel("write_kv_rows")
+
+
+@functools.cache
+def _kernel(name: str):
+    """A Triton kernel's launcher (``write_kv_rows`` or ``norm_rope_write``) where Triton is
+    installed (a dependency on Linux), else None."""
     try:
-        from torch_cp.kv.write_kernel import write_kv_rows
+        from torch_cp.kv import rotate_kernel, write_kernel
     except ImportError:
         return None
-    return write_kv_rows
+    return getattr(write_kernel, name, None) or getattr(rotate_kernel, name)
 
 
 def write_layer(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
@@ -122,6 +151,32 @@ def write_kv(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tenso
              write_index: torch.Tensor, layer_idx: int) -> None:
     """``write_layer`` as an op that mutates ``caches`` (what torch.compile sees)."""
     _store(caches, new_a, new_b, write_index, layer_idx)
+
+
+# A GQA pool on CUDA takes its layers' new queries and keys through their norms and RoPE, and the
+# keys and values into the pool, in one kernel (``rotate_and_write``; read at each trace). Off: the
+# model's own norms and RoPE, then ``write``.
+ROTATE_IN_ONE_KERNEL = True
+ROTATE_IN_INTERPRETER = False  # tests: that kernel in Triton's interpreter on a CPU pool
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # a dependency on Linux
+
+
+@torch.library.custom_op("torch_cp::rotate_and_write", mutates_args=("caches",))
+def rotate_and_write(caches: list[torch.Tensor], q_nhd: torch.Tensor, k_nhd: torch.Tensor,
+                    v_nhd: torch.Tensor, q_weight: torch.Tensor | None,
+                    k_weight: torch.Tensor | None, eps: float, cos_nr: torch.Tensor,
+                    sin_nr: torch.Tensor, write_index: torch.Tensor, layer_idx: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``GQAPool.rotate_and_write`` as an op that mutates ``caches`` (what torch.compile sees)."""
+    return _kernel("norm_rope_write")(q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps, cos_nr,
+                                      sin_nr, caches[0][layer_idx], write_index)
+
+
+@rotate_and_write.register_fake
+def _(caches, q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps, cos_nr, sin_nr, write_index,
+      layer_idx):
+    return torch.empty_like(q_nhd, memory_format=torch.contiguous_format), torch.empty(
+        k_nhd.shape, dtype=q_nhd.dtype, device=q_nhd.device)
 
 
 class MLAPool:
