@@ -68,6 +68,13 @@ MUTANTS = [
     Mutant("pool-mla-order", "torch_cp/kv/pool.py",
            "index_copy_(0, write_index, new.to(cache.dtype))",
            "index_copy_(0, write_index.flip(0), new.to(cache.dtype))", POOL),
+    Mutant("rotate-half-sign", "torch_cp/kv/rotate_kernel.py",
+           "turned = tl.where(d < half, -y_partner, y_partner)",
+           "turned = tl.where(d < half, y_partner, -y_partner)", (T + "kv/test_rotate_kernel.py",)),
+    Mutant("rotate-key-norm-weight", "torch_cp/kv/rotate_kernel.py",
+           "x, x_partner = _normed(k_ptr + token * k_sn + kh * D, k_w_ptr,",
+           "x, x_partner = _normed(k_ptr + token * k_sn + kh * D, q_w_ptr,",
+           (T + "kv/test_rotate_kernel.py",)),
     # plan
     Mutant("plan-decode-attends-own-token", "torch_cp/plan.py",
            "attend = c_t + q_t if is_decode else c_t", "attend = c_t", PLACE),

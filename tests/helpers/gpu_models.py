@@ -91,11 +91,14 @@ def spy_dependent_launches(monkeypatch) -> dict[str, set]:
 def dependent_launch_kernels(rows: int, gqa: bool, moe: bool) -> set[str]:
     """The modules (as ``spy_dependent_launches`` names them) whose kernels a captured step of
     ``rows`` rows must launch with the dependent launch: the router and the fused experts of an
-    MoE model, the pool write of a GQA model (MLA's pool is written by indexing), and at one
-    row the one-token linears and, for GQA, the Triton decode."""
+    MoE model, the pool write of a GQA model (these tests' GQA models rotate halves: with
+    ``ROTATE_IN_ONE_KERNEL`` the pool's norms, RoPE and write kernel; MLA's pool is written by
+    indexing), and at one row the one-token linears and, for GQA, the Triton decode."""
+    from torch_cp.kv import pool
+
     kernels = {"fused_router", "fused_experts"} if moe else set()
     if gqa:
-        kernels.add("write_kernel")
+        kernels.add("rotate_kernel" if pool.ROTATE_IN_ONE_KERNEL else "write_kernel")
     if rows == 1:
         kernels |= {"gemv", "triton_decode"} if gqa else {"gemv"}
     return kernels

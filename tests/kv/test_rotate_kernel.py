@@ -2,13 +2,14 @@
 writes keys and values into the pool (kv/rotate_kernel.py), against transformers' own modules run
 eagerly (``Qwen3RMSNorm``, ``apply_rotary_pos_emb``) and torch indexing into the pool.
 
-bf16 is compared bit for bit: the kernel rounds where the eager ops round, and a product of two
-bf16 values is exact in float32, so only the order of the mean of squares may differ, and the
-inputs here never meet that. float32: 1e-5 on values of magnitude ~1-10, for the mean of squares
-summed in another order, ``1 / sqrt`` against ``rsqrt`` and ``x * cos + y * sin`` contracted
-(observed 1.4e-6 at most). Then a patched model with the kernel (on the
-CPU in Triton's interpreter, ``pool.ROTATE_IN_INTERPRETER``) generates the unpatched model's
-tokens, eagerly and in a compiled step.
+bf16 is compared bit for bit on the CPU: the kernel rounds where the eager ops round, and a
+product of two bf16 values is exact in float32, so only the order of the mean of squares may
+differ, and the inputs here never meet that. On the GPU torch's rsqrt and the kernel's may differ
+in the last float32 bit as well: at most 2 % of the outputs may then move by one bf16 step.
+float32: 1e-5 on values of magnitude ~1-10, for the mean of squares summed in another order and
+``x * cos + y * sin`` contracted (observed 1.4e-6 at most). Then a patched model with the kernel
+(on the CPU in Triton's interpreter, ``pool.ROTATE_IN_INTERPRETER``) generates the unpatched
+model's tokens, eagerly and in a compiled step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
            pytest.param("cuda", marks=pytest.mark.gpu)]
 PAGES, PAGE, EPS = 5, 4, 1e-6  # the last page is the sink
 FP32 = dict(atol=1e-5, rtol=1e-5)
+BF16_STEP = dict(atol=2 ** -4, rtol=2 ** -7)  # one bf16 step of outputs up to ~8, after RoPE
 
 
 def reference(q, k, v, q_norm, k_norm, cos, sin, cache, index):
@@ -82,12 +84,14 @@ def test_one_kernel_equals_the_models_norms_rope_and_the_pool_write(
     on = [t.to(device) for t in (q, k, v, cos, sin, cache, index)]
     got_q, got_k = norm_rope_write(*on[:3], *weights, EPS, *on[3:])
     got = (got_q.cpu(), got_k.cpu(), on[5].cpu())
-    if dtype == torch.bfloat16:
-        for g, w in zip(got, (want_q, want_k, want_cache)):
-            assert torch.equal(g, w)
-    else:
-        for g, w in zip(got, (want_q, want_k, want_cache)):
+    for g, w in zip(got, (want_q, want_k, want_cache)):
+        if dtype == torch.float32:
             torch.testing.assert_close(g, w, **FP32)
+        elif device == "cpu":
+            assert torch.equal(g, w)
+        else:  # CUDA's rsqrt and the sum of squares in another order: a rare step of bf16
+            assert (g != w).float().mean() <= 0.02
+            torch.testing.assert_close(g.float(), w.float(), **BF16_STEP)
 
 
 def test_no_tokens_write_nothing():
@@ -101,7 +105,9 @@ def test_no_tokens_write_nothing():
 
 @pytest.fixture
 def rotating(monkeypatch):
-    """The kernel on the CPU pool (Triton's interpreter), every call counted."""
+    """The kernel on (whatever the default) and on the CPU pool (Triton's interpreter), every
+    call counted."""
+    monkeypatch.setattr(pool_module, "ROTATE_IN_ONE_KERNEL", True)
     monkeypatch.setattr(pool_module, "ROTATE_IN_INTERPRETER", True)
     calls = []
     original = GQAPool.rotate_and_write
@@ -124,6 +130,20 @@ def test_a_patched_model_through_the_kernel_generates_the_unpatched_tokens(rotat
     assert result.tokens == ref_tokens
     torch.testing.assert_close(result.last_logits, ref_logits, **TOL)
     assert set(rotating) == set(range(model.config.num_hidden_layers))
+
+
+def test_a_kernel_module_that_cannot_import_leaves_the_models_own_path(rotating, monkeypatch):
+    """Triton installed but the kernel's module failing to import: the model's norms, RoPE and
+    indexing write, not a call of None (helper 108's find)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch_cp.kv.rotate_kernel", None)  # import raises
+    monkeypatch.setattr(pool_module, "_kernel", pool_module._kernel.__wrapped__)  # no cache
+    model = tiny_model("qwen3_moe")
+    ref_tokens, _ = hf_greedy(model, PROMPTS[:1], 3)
+    torch_cp.patch_model(model, page_size=4)
+    assert greedy(model, PROMPTS[:1], 3).tokens == ref_tokens
+    assert rotating == []
 
 
 def test_glm_rotates_interleaved_pairs_so_it_keeps_the_models_rope(rotating):
@@ -165,3 +185,35 @@ def test_a_compiled_step_through_the_kernel_equals_the_models_own_eager_step(
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c, e, **TOL)
     torch.testing.assert_close(compiled_pool, eager_pool, **FP32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_name,rows", [("qwen3", 1), ("qwen3", 3), ("qwen3_moe", 1),
+                                             ("glm4_moe", 3)])
+def test_captured_compiled_steps_through_the_kernel_give_the_tokens_without_it(
+        monkeypatch, model_name, rows):
+    """bf16 on the GPU, FlashInfer, CUDA graphs (three rows pad a bucket of four) and compiled
+    layers: the engine's tokens with the kernel equal its tokens with the models' own norms,
+    RoPE and pool write, up to near-ties of the unpatched model; the kernel ran."""
+    import gpu_models
+    from gpu_models import NEW_TOKENS as GPU_NEW_TOKENS
+    from gpu_models import assert_equal_but_near_ties, prompts, tokens
+    from torch.profiler import ProfilerActivity, profile
+
+    pytest.importorskip("flashinfer")
+    make = getattr(gpu_models, model_name)
+    model = torch_cp.patch_model(make(torch.bfloat16).cuda(), backend="flashinfer")
+    kwargs = dict(num_pages=64, page_size=16, cuda_graphs=True, max_pages_per_row=8,
+                  compile=True)
+    batch = prompts()[:rows]
+    monkeypatch.setattr(pool_module, "ROTATE_IN_ONE_KERNEL", False)
+    without = tokens(torch_cp.Engine(model, **kwargs).run(batch, GPU_NEW_TOKENS))
+    monkeypatch.setattr(pool_module, "ROTATE_IN_ONE_KERNEL", True)
+    torch._dynamo.reset()
+    engine = torch_cp.Engine(model, **kwargs)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = tokens(engine.run(batch, GPU_NEW_TOKENS))
+        torch.cuda.synchronize()
+    assert engine.replayed_steps >= GPU_NEW_TOKENS - 2
+    assert any("_norm_rope_write" in e.key for e in prof.key_averages()), "the kernel ran"
+    assert_equal_but_near_ties(make(torch.bfloat16).cuda(), without, got, batch)

@@ -7,7 +7,7 @@ Each page holds ``page_size // P`` slots (see ``torch_cp.placement``).
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 
 import torch
 
@@ -33,6 +33,9 @@ class GQAPool:
         self.sink_page = num_pages
         self.kv = torch.zeros(num_layers, num_pages + 1, 2, self.local_page_size, kv_heads,
                               head_dim, dtype=dtype, device=device)
+        # Imported on first GPU use (or for a test's interpreter); None where it cannot import.
+        self.rotate_kernel = (_kernel("norm_rope_write") if self.kv.is_cuda or ROTATE_IN_INTERPRETER
+                              else None)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -48,10 +51,12 @@ class GQAPool:
         write_layer(self.tensors, k_nhd, v_nhd, write_index, layer_idx)
 
     def rotates(self, q_nhd: torch.Tensor, cos_nr: torch.Tensor) -> bool:
-        """Whether ``rotate_and_write`` runs its one kernel here: the pool on CUDA with Triton
-        (or Triton's interpreter where a test asks, ``ROTATE_IN_INTERPRETER``), and the
-        queries, RoPE's tables and the pool in one dtype."""
-        return (ROTATE_IN_ONE_KERNEL and _HAS_TRITON and (self.kv.is_cuda or ROTATE_IN_INTERPRETER)
+        """Whether ``rotate_and_write`` runs its one kernel here: turned on
+        (``ROTATE_IN_ONE_KERNEL``), the pool on CUDA with the kernel importable (or in Triton's
+        interpreter where a test asks, ``ROTATE_IN_INTERPRETER``), and the queries, RoPE's
+        tables and the pool in one dtype."""
+        return (ROTATE_IN_ONE_KERNEL and self.rotate_kernel is not None
+                and (self.kv.is_cuda or ROTATE_IN_INTERPRETER)
                 and q_nhd.dtype == cos_nr.dtype == self.kv.dtype)
 
     def rotate_and_write(self, layer_idx: int, q_nhd: torch.Tensor, k_nhd: torch.Tensor,
@@ -66,8 +71,8 @@ class GQAPool:
         if torch.compiler.is_compiling():
             return rotate_and_write(self.tensors, q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps,
                                    cos_nr, sin_nr, write_index, layer_idx)
-        return _kernel("norm_rope_write")(q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps, cos_nr,
-                                          sin_nr, self.kv[layer_idx], write_index)
+        return self.rotate_kernel(q_nhd, k_nhd, v_nhd, q_weight, k_weight, eps, cos_nr, sin_nr,
+                                  self.kv[layer_idx], write_index)
 
     @property
     def bytes(self) -> int:
@@ -105,13 +110,13 @@ def _kernel_writer():
 
 @functools.cache
 def _kernel(name: str):
-    """A Triton kernel's launcher (``write_kv_rows`` or ``norm_rope_write``) where Triton is
-    installed (a dependency on Linux), else None."""
+    """A Triton kernel's launcher, ``write_kv_rows`` or ``norm_rope_write``, where its module
+    imports (Triton is a dependency on Linux), else None."""
+    module = {"write_kv_rows": "write_kernel", "norm_rope_write": "rotate_kernel"}[name]
     try:
-        from torch_cp.kv import rotate_kernel, write_kernel
+        return getattr(importlib.import_module(f"torch_cp.kv.{module}"), name)
     except ImportError:
         return None
-    return getattr(write_kernel, name, None) or getattr(rotate_kernel, name)
 
 
 def write_layer(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tensor,
@@ -153,12 +158,12 @@ def write_kv(caches: list[torch.Tensor], new_a: torch.Tensor, new_b: torch.Tenso
     _store(caches, new_a, new_b, write_index, layer_idx)
 
 
-# A GQA pool on CUDA takes its layers' new queries and keys through their norms and RoPE, and the
-# keys and values into the pool, in one kernel (``rotate_and_write``; read at each trace). Off: the
-# model's own norms and RoPE, then ``write``.
-ROTATE_IN_ONE_KERNEL = True
+# On: a GQA pool on CUDA takes its layers' new queries and keys through their norms and RoPE, and
+# the keys and values into the pool, in one kernel (``rotate_and_write``; read at each trace).
+# Off: the model's own norms and RoPE, then ``write``. Off by default until it has run on a GPU
+# (written in session 36, when none was lent; docs/gpu-runs.md queues the run).
+ROTATE_IN_ONE_KERNEL = False
 ROTATE_IN_INTERPRETER = False  # tests: that kernel in Triton's interpreter on a CPU pool
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # a dependency on Linux
 
 
 @torch.library.custom_op("torch_cp::rotate_and_write", mutates_args=("caches",))

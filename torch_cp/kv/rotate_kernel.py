@@ -11,8 +11,9 @@ The arithmetic rounds where transformers' eager code rounds (``Qwen3RMSNorm``, t
 ``apply_rotary_pos_emb`` with ``rotate_half``): the norm in float32 rounded to the model's dtype,
 times the weight, rounded; ``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum.
 A product of two bf16 values is exact in float32, so each rounding equals the eager op's; only
-the mean of squares may sum in another order. Channels past the rotary dims (partial RoPE) pass
-through unchanged.
+the mean of squares may sum in another order and the reciprocal square root round otherwise,
+which moves a bf16 output by one step where the float32 value sits at a rounding boundary.
+Channels past the rotary dims (partial RoPE) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _normed(src_ptr, w_ptr, d, partner, eps, D: tl.constexpr, NORM: tl.constexpr
     x = tl.load(src_ptr + d, mask=in_head, other=0.0).to(tl.float32)
     x_partner = tl.load(src_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
     if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
         w_partner = tl.load(w_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
         x = _rounded(w * _rounded(x * rstd, DTYPE), DTYPE)
