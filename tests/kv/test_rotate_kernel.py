@@ -182,6 +182,7 @@ def test_a_compiled_step_through_the_kernel_equals_the_models_own_eager_step(
     torch._dynamo.reset()
     compiled, compiled_pool = prefill_then_decode(model, torch.compile(model.forward,
                                                                        fullgraph=True))
+    assert set(rotating) == set(range(model.config.num_hidden_layers))  # the op ran
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c, e, **TOL)
     torch.testing.assert_close(compiled_pool, eager_pool, **FP32)
