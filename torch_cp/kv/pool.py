@@ -87,7 +87,7 @@ def write_kv_slots(cache: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor
                    write_index: torch.Tensor) -> None:
     """Write into ``cache`` [pages, 2, page, H, D] at flat slots ``page_id * page + slot``: on
     CUDA with Triton one kernel (``write_kernel``), else torch indexing."""
-    writer = _kernel_writer() if cache.is_cuda else None
+    writer = _kernel("write_kv_rows") if cache.is_cuda else None
     if writer is not None and rows_dense(k_nhd) and rows_dense(v_nhd):
         writer(cache, k_nhd, v_nhd, write_index)
         return
@@ -102,16 +102,11 @@ def rows_dense(x_nhd: torch.Tensor) -> bool:
     return x_nhd.stride(2) == 1 and x_nhd.stride(1) == x_nhd.shape[2]
 
 
-def _kernel_writer():
-    """``write_kernel.write_kv_rows`` where Triton is installed (a dependency on Linux), else
-    None (``index_put_`` instead); imported on first GPU use."""
-    return _kernel("write_kv_rows")
-
-
 @functools.cache
 def _kernel(name: str):
     """A Triton kernel's launcher, ``write_kv_rows`` or ``norm_rope_write``, where its module
-    imports (Triton is a dependency on Linux), else None."""
+    imports (Triton is a dependency on Linux), else None (indexing, or the model's own norms
+    and RoPE, instead); imported on first GPU use."""
     module = {"write_kv_rows": "write_kernel", "norm_rope_write": "rotate_kernel"}[name]
     try:
         return getattr(importlib.import_module(f"torch_cp.kv.{module}"), name)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from torch_cp import pdl
+from torch_cp.kv.pool import rows_dense
 from torch_cp.pdl import pdl_release, pdl_wait  # by name: Inductor copies them (pdl.py)
 
 
@@ -102,12 +103,6 @@ def _norm_rope_write(q_ptr, k_ptr, v_ptr, q_sn, k_sn, v_sn, q_w_ptr, k_w_ptr, co
         tl.store(dst + page * HKV * D, v.to(cache_ptr.dtype.element_ty), mask=in_head)
 
 
-def heads_dense(x_nhd: torch.Tensor) -> bool:
-    """Whether each token's heads of ``x_nhd`` [N, H, D] lie one after another (rows may be
-    apart, as views of a packed q/k/v projection are)."""
-    return x_nhd.stride(2) == 1 and x_nhd.stride(1) == x_nhd.shape[2]
-
-
 def norm_rope_write(q_nhd: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tensor,
                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                     cos_nr: torch.Tensor, sin_nr: torch.Tensor, cache: torch.Tensor,
@@ -128,7 +123,7 @@ def norm_rope_write(q_nhd: torch.Tensor, k_nhd: torch.Tensor, v_nhd: torch.Tenso
     n, hq, dim = q_nhd.shape
     hkv = k_nhd.shape[1]
     rotary = cos_nr.shape[-1]
-    q_nhd, k_nhd, v_nhd = (t if heads_dense(t) else t.contiguous() for t in (q_nhd, k_nhd, v_nhd))
+    q_nhd, k_nhd, v_nhd = (t if rows_dense(t) else t.contiguous() for t in (q_nhd, k_nhd, v_nhd))
     cos_nr, sin_nr = cos_nr.contiguous(), sin_nr.contiguous()
     assert rotary % 2 == 0 and rotary <= dim and cache.is_contiguous()
     assert (q_weight is None) == (k_weight is None)
