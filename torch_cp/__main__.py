@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import torch
 
 from torch_cp.agreement import OtherRankFailed
 from torch_cp.cli_args import UsageError, argument_problems, parse_args
-from torch_cp.engine import SamplingParams
+from torch_cp.engine import EngineWarning, SamplingParams
 from torch_cp.engine.generation import engine_for, never_fit_hints
 
 DEFAULT_PROMPTS = ("The capital of France is", "Hello")  # the tiny model's, through its tokenizer
@@ -208,13 +209,25 @@ def one_line(error: Exception) -> str:
     return out
 
 
+def _show_engine_warnings(show):
+    """``warnings.showwarning`` printing the engine's warnings as ``torch_cp: warning: ...``: the
+    line they name is the caller's outside torch_cp, here runpy's (helper 109)."""
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, EngineWarning):
+            return show(message, category, filename, lineno, file, line)
+        print(f"torch_cp: warning: {message}", file=file or sys.stderr)
+    return shown
+
+
 def cli(argv=None) -> None:
     """The console script and ``python -m torch_cp``. A configuration problem (ValueError; out
     of device memory; under torchrun, a load that failed on another rank) is one line on rank
     0, not a traceback; every rank exits with its code (2 for a usage error, else 1). Any other
     exception is a bug and keeps its traceback."""
     try:
-        code = main(argv)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_engine_warnings(warnings.showwarning)
+            code = main(argv)
     except (ValueError, torch.OutOfMemoryError, OtherRankFailed) as error:
         if _rank() == 0:
             print(f"torch_cp: error: {one_line(error)}", file=sys.stderr)

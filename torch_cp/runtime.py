@@ -41,6 +41,9 @@ class ModelRuntime:
             (the model's and each experts module's config's; ``graphs.experts``: before a
             capture, ``capturable_experts``; at patching, ``avoid_unfit_grouped_mm``), which
             ``unpatch_model`` puts back; None while nothing was switched.
+        planned_for: the step plan the backend was planned for last (``PagedKVCache.begin_step``;
+            None before any). The backend is the model's, shared by every cache and engine on
+            it: a step planned ahead is planned again at its launch when another planned since.
     """
 
     placement: ContextParallel
@@ -59,6 +62,7 @@ class ModelRuntime:
     linear: LinearGeometry | None = None
     linear_kernels: str = "torch"
     experts_before: tuple | None = field(default=None, repr=False)
+    planned_for: object | None = field(default=None, repr=False, compare=False)
 
     def __deepcopy__(self, memo):
         raise ValueError("a patched model cannot be deep-copied: its patched forwards, backend and "

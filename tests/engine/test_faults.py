@@ -148,6 +148,31 @@ def test_every_kind_of_fault_is_re_raised_as_itself(model, expected, monkeypatch
     assert _tokens(engine.run(PROMPTS, NEW)) == expected[True, SamplingParams()]
 
 
+def test_a_serving_step_that_raises_names_the_requests_it_ended(model, monkeypatch):
+    """A fault inside ``step`` ends every request the engine held (their pages back); without
+    a word they would vanish from ``has_unfinished`` and ``step`` (helper 109). The exception,
+    the same object, names them; a request submitted after it runs as on a new engine."""
+    engine = Engine(model, **ENGINE)
+    layer = decoder_layers(model)[-1]
+    raised = RuntimeError("planted fault")
+
+    def failing(*args, **kwargs):
+        raise raised
+    first, second = engine.submit(PROMPTS[3], NEW), engine.submit(PROMPTS[1], NEW)
+    engine.step()  # the first prefill chunk
+    monkeypatch.setattr(layer, "forward", failing)
+    with pytest.raises(RuntimeError) as caught:
+        engine.step()
+    assert caught.value is raised
+    assert f"requests {[first, second]} ended with this exception" in caught.value.__notes__[0]
+    assert not engine.has_unfinished() and engine.step() == []
+    assert engine.allocator.free_pages == engine.allocator.num_pages
+    monkeypatch.undo()
+    again = engine.submit(PROMPTS[1], NEW)
+    tokens = [t for out in engine.stream() for t in out.token_ids if out.request_id == again]
+    assert [tuple(tokens)] == _tokens(Engine(model, **ENGINE).run(PROMPTS[1:2], NEW))
+
+
 # --- sampling at temperatures whose quotient overflows ---
 
 TINY_TEMPERATURES = [1e-3, 1e-20, 1e-38, 1e-45, 1e-300, 5e-324]

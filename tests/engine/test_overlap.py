@@ -5,6 +5,7 @@ overlap, whether the guess holds, a request stops at EOS (its row of the step la
 dropped) or every request stops at once (the step launched ahead is drained)."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,3 +167,38 @@ def test_overlap_planning_gives_the_same_tokens(model, case):
         assert any(reason == "eos" for _, reason in runs[True][0])
     if case == "eos ends the run":
         assert all(reason == "eos" for _, reason in runs[True][0])
+
+
+def _stepped(engines_prompts, between=None):
+    """Each (engine, prompt) request's tokens, the engines stepped in turn, ``between`` called
+    after every step."""
+    got = [[] for _ in engines_prompts]
+    for engine, prompt in engines_prompts:
+        engine.submit(prompt, 10, sampling=SamplingParams(temperature=0.7, seed=1))
+    while any(engine.has_unfinished() for engine, _ in engines_prompts):
+        for i, (engine, _) in enumerate(engines_prompts):
+            if engine.has_unfinished():
+                got[i] += [t for o in engine.step() for t in o.token_ids]
+            if between is not None:
+                between()
+    return got
+
+
+def test_a_step_planned_ahead_survives_another_plan_of_the_shared_backend(model):
+    """A sampled step is planned ahead and launched at the next ``step``; the attention backend
+    is the model's, so two engines stepped in turn, or a ``model.generate`` between steps, plan
+    it for their own steps in between. Each request's tokens are the ones it gets alone (helper
+    109: other tokens from the fourth on, or a shape error in the backend)."""
+    def engine():
+        return Engine(model, num_pages=32, page_size=4, overlap_planning=True)
+
+    first, second = PROMPTS[2], PROMPTS[1]
+    alone = [_stepped([(engine(), p)])[0] for p in (first, second)]
+    a, b = engine(), engine()
+    assert _stepped([(a, first), (b, second)]) == alone
+    assert a.planned_ahead_steps > 0 and b.planned_ahead_steps > 0
+    c = engine()
+    ids = torch.tensor([[5, 6, 7]])
+    assert _stepped([(c, first)], lambda: model.generate(
+        ids, max_new_tokens=1, do_sample=False, pad_token_id=0))[0] == alone[0]
+    assert all(e.allocator.free_pages == 32 for e in (a, b, c))

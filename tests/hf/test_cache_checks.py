@@ -159,3 +159,27 @@ def test_a_forward_without_a_cache_names_the_cache_that_works():
         model(ids)
     logits = model(ids, **{cache_kwarg(model): torch_cp.new_cache(model, 1, 8)}).logits
     torch.testing.assert_close(logits, reference(ids).logits)
+
+
+def test_a_cache_made_for_another_patched_model_is_refused_by_name():
+    """A generate cache from another patched model, or from this model before it was patched
+    again: its pool and plan are not the ones the model's attention reads. It gave other tokens
+    with no error, or an assertion in the backend (helper 109); now a ValueError, from
+    ``model.generate`` and from a direct forward, and a new cache serves."""
+    from torch_cp.compat import cache_kwarg
+    from torch_cp.tiny import tiny_qwen3
+
+    reference, model, other = tiny_qwen3(), torch_cp.patch_model(tiny_qwen3()), tiny_qwen3()
+    other = torch_cp.patch_model(other)
+    ids, kw = torch.tensor([[5, 6, 7, 8]]), dict(max_new_tokens=3, do_sample=False,
+                                                 pad_token_id=0)
+    stale = torch_cp.new_cache(model, 1, 16)
+    torch_cp.unpatch_model(model)
+    torch_cp.patch_model(model)
+    for cache in (stale, torch_cp.new_cache(other, 1, 16)):
+        with pytest.raises(ValueError, match="made for another patched model"):
+            model.generate(ids, cache=cache, **kw)
+        with pytest.raises(ValueError, match="made for another patched model"):
+            model(ids, **{cache_kwarg(model): cache})
+    fresh = torch_cp.new_cache(model, 1, 16)
+    assert torch.equal(model.generate(ids, cache=fresh, **kw), reference.generate(ids, **kw))

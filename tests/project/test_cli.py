@@ -222,6 +222,17 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(capsys, tm
         assert capsys.readouterr().err == f"torch_cp: error: --json {path}: {problem}\n"
 
 
+def test_the_engines_warnings_are_one_line_that_names_no_file(capsys):
+    """They name their caller outside torch_cp, which for the CLI was runpy's frozen module
+    (``<frozen runpy>:88: IgnoredSettingWarning: ...``, helper 109)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--top-k", "5", "--max-new-tokens", "2", "--no-progress"])
+    assert exit_.value.code == 0
+    err = capsys.readouterr().err
+    assert "torch_cp: warning: top_k=5 is ignored at temperature 0" in err
+    assert "runpy" not in err and "IgnoredSettingWarning" not in err
+
+
 def test_a_config_field_of_the_wrong_type_is_one_line(capsys, tmp_path):
     """transformers refuses it with huggingface_hub's own error, not a ValueError (helper 87:
     a traceback)."""

@@ -150,7 +150,10 @@ class Serving:
                 self._report(ended)
             if scheduler.done:
                 self._settle_ahead()
-        except BaseException:
+        except BaseException as error:
+            if self._options:  # otherwise unseen: they vanish from has_unfinished and step
+                error.add_note(f"torch_cp: requests {sorted(self._options)} ended with this "
+                               f"exception (their pages returned); submit them again")
             scheduler.abort_all()
             self._options.clear()
             self._ahead = self._inflight = None

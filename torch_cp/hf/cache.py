@@ -94,7 +94,9 @@ class PagedKVCache(Cache):
                              f"pool's ({self.state.sink_slot}, one past its "
                              f"{self.state.num_slots} request slots)")
         self.plan = plan
+        self.runtime.planned_for = None  # until the backend holds it (a plan may be refused)
         self.runtime.backend.plan(plan)
+        self.runtime.planned_for = plan
         if self.state is not None:
             self.state.begin_step(plan)
 

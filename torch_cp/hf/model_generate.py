@@ -92,6 +92,8 @@ def _plan_before_forward(module, args, kwargs):
     the plan's positions when the call gives none (``generate`` gives them; a forward called
     directly, filling a cache with a prompt, does not)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, PagedKVCache):
+        _check_cache_model(module, cache)
     if kwargs.get("output_attentions") and isinstance(cache, PagedKVCache):
         raise ValueError(NO_ATTENTION_WEIGHTS)
     if isinstance(cache, PagedKVCache) and not isinstance(cache, GenerateCache):
@@ -115,6 +117,16 @@ def _plan_before_forward(module, args, kwargs):
     # transformers would count a direct call's positions from get_seq_length (the columns
     # already planned, this call's included): the plan's are each row's own
     return _with_plan_positions(cache.plan, args, kwargs) or (args, kwargs)
+
+
+def _check_cache_model(model, cache: PagedKVCache) -> None:
+    """Refuse a cache made for another patched model, or for this one before it was patched
+    again: its pool and plan are not the ones this model's attention reads (helper 109: wrong
+    tokens, or an assertion in the backend)."""
+    if cache.runtime is not getattr(model, "torch_cp", None):
+        raise ValueError("the cache passed was made for another patched model, or for this one "
+                         "before it was patched again: make a new one with "
+                         "torch_cp.new_cache(model, batch_size, max_length)")
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
@@ -148,6 +160,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
             raise ValueError(f"model.generate on a torch_cp-patched model takes a cache made by "
                              f"torch_cp.new_cache(model, batch_size, max_length), got "
                              f"{type(user).__name__}")
+        _check_cache_model(self, user)
         if user.rows != rows:
             raise ValueError(f"the cache passed serves {user.rows} rows, this call has {rows} "
                              f"(batch size x num_return_sequences)")
