@@ -193,3 +193,39 @@ def _ranks(rank: int, world_size: int):
 @pytest.mark.parametrize("partners", [2, 4])
 def test_tokens_with_caching_equal_tokens_without_at_p(reference, partners):
     assert_caching_changes_nothing(run_ranks(partners, _ranks), MESHES, reference, PAGES)
+
+
+def test_weights_loaded_since_empty_the_cache_and_the_reset_is_public():
+    """A cached page holds KV of the weights of its time: after ``load_state_dict`` of other
+    weights the same engine reused it and gave other tokens than a fresh engine's (helper 110).
+    Now a run, or an idle serving step, empties the cache first; ``reset_prefix_cache``
+    empties it by hand, and refuses (False) while a request is queued or running."""
+    def greedy(model, prompt):
+        return tuple(model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+                                    )[0, len(prompt):].tolist())
+    old, new = tiny_qwen3(seed=0), tiny_qwen3(seed=1)
+    prompt = PROMPTS[0]
+    want_old, want_new = greedy(old, prompt), greedy(new, prompt)
+    assert want_old != want_new
+    model = torch_cp.patch_model(tiny_qwen3(seed=0))
+    engine = Engine(model, 64, PAGE, BUDGET, prefix_caching=True)
+    assert engine.run([prompt], NEW)[0].token_ids == want_old
+    model.load_state_dict(new.state_dict())
+    assert engine.run([prompt], NEW)[0].token_ids == want_new
+    assert engine.reused_tokens == 0, "nothing of the old weights' KV reused"
+    assert engine.run([prompt], NEW)[0].token_ids == want_new
+    assert engine.reused_tokens >= 20, "the new weights' KV is cached and reused"
+
+    model.load_state_dict(old.state_dict())  # the serving API: emptied at an idle step
+    rid = engine.submit(prompt, NEW)
+    tokens = [t for out in engine.stream() for t in out.token_ids if out.request_id == rid]
+    assert tuple(tokens) == want_old
+    engine.submit(prompt, NEW)
+    engine.step()
+    held = engine.allocator.state()
+    assert engine.reset_prefix_cache() is False and engine.allocator.state() == held
+    list(engine.stream())
+    assert engine.allocator.evictable_pages > 0
+    assert engine.reset_prefix_cache() is True and engine.allocator.evictable_pages == 0
+    assert engine.allocator.free_pages == 64

@@ -514,3 +514,16 @@ def test_prefix_caching_through_the_stream_counts_reused_tokens(hf_tokens):
     assert got[first] == got[later] == hf_tokens[0]
     assert e.reused_tokens == 20 and e.prefilled_tokens == 2 * 24 - 20
     assert_pool_whole(e)
+
+
+def test_a_request_begun_inside_inference_mode_runs_on_outside_it(hf_tokens):
+    """Its page table was made inside ``torch.inference_mode()`` (an inference tensor), and the
+    step outside it that gave the request a new page wrote into it: a RuntimeError ended the
+    request (helper 110). Tables are made outside inference mode now."""
+    e = engine()
+    with torch.inference_mode():
+        rid = e.submit(PROMPTS[1], NEW)  # 5 tokens: a new page at the 4th decode step
+        first = e.step()
+    got, reasons = collect(first + list(e.stream()))
+    assert got[rid] == hf_tokens[1] and reasons[rid] == "length"
+    assert_pool_whole(e)

@@ -183,3 +183,40 @@ def test_a_cache_made_for_another_patched_model_is_refused_by_name():
             model(ids, **{cache_kwarg(model): cache})
     fresh = torch_cp.new_cache(model, 1, 16)
     assert torch.equal(model.generate(ids, cache=fresh, **kw), reference.generate(ids, **kw))
+
+
+def test_caches_planned_in_turn_each_run_on_their_own_plan():
+    """Two ``PagedKVCache``s of one model, each given its next step with ``begin_step``, then
+    each forwarded: the attention backend is the model's, so the first forward ran on the
+    second cache's plan (other logits, no error; helper 110). A forward plans the backend
+    again when another cache planned it since."""
+    from torch_cp.compat import cache_kwarg
+    from torch_cp.tiny import tiny_qwen3
+
+    model = torch_cp.patch_model(tiny_qwen3(), page_size=4)
+    kwarg = cache_kwarg(model)
+
+    def planned(cache, q_len, context):
+        plan = build_step_plan([q_len], [context], [[0, 1, 2]], page_size=4,
+                               sink_page=cache.pool.sink_page, placement=model.torch_cp.placement)
+        cache.begin_step(plan)
+        return plan
+
+    def forward(cache, plan, ids):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids]), position_ids=plan.positions[None],
+                         **{kwarg: cache}).logits[0, -1]
+
+    def prefilled(prompt):
+        cache = PagedKVCache.for_model(model, num_pages=8)
+        forward(cache, planned(cache, len(prompt), 0), prompt)
+        return cache
+
+    a_prompt, b_prompt = [5, 7, 9, 11, 13, 17], [40, 41, 42]
+    a, b = prefilled(a_prompt), prefilled(b_prompt)
+    alone_a = forward(a, planned(a, 1, 6), [19])
+    alone_b = forward(b, planned(b, 1, 3), [23])
+    a, b = prefilled(a_prompt), prefilled(b_prompt)
+    plan_a, plan_b = planned(a, 1, 6), planned(b, 1, 3)
+    torch.testing.assert_close(forward(a, plan_a, [19]), alone_a, rtol=0, atol=0)
+    torch.testing.assert_close(forward(b, plan_b, [23]), alone_b, rtol=0, atol=0)

@@ -48,7 +48,8 @@ class BatchRuns:
         ``logprobs=k``: each ``Result`` carries every generated token's log-probability and the
         k most likely tokens' (``RequestOutput.logprobs``). ``eos_token_ids``: the ids that end
         a request (none by default, unlike ``generate``, which stops at the model's EOS).
-        Warns once per call (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
+        Warns (once a call; Python's default filter shows each calling line's first)
+        (``IgnoredSettingWarning``) of top_k / top_p at temperature 0, and
         (``PositionLimitWarning``) of requests past the model's positions (``max_positions``).
         A step that raises (KeyboardInterrupt too) ends the call with that exception, every
         page returned.
@@ -85,9 +86,12 @@ class BatchRuns:
         news = checked(problems, new_tokens_per_request, max_new_tokens,
                        None if prompts is None else len(prompts))
         eos = checked(problems, id_tuple, eos_token_ids, "eos_token_ids")
+        weights_changed = self._weights.changed(relist=True)  # since the prefix cache filled
         agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
             prompts=prompts and [list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
-            eos_token_ids=eos, logprobs=as_int(logprobs)))
+            eos_token_ids=eos, logprobs=as_int(logprobs), weights_changed=weights_changed))
+        if weights_changed:
+            self.reset_prefix_cache()
         return self.run_agreed(prompts, news, sampling, eos, progress, tokenizer, logprobs)
 
     def run_agreed(self, prompts: Sequence[Sequence[int]], news: list[int],

@@ -36,6 +36,7 @@ from torch_cp.engine.sampling import (
 from torch_cp.engine.scheduler import Row, Scheduler, writes_shared_page
 from torch_cp.engine.serving import Serving
 from torch_cp.engine.steps import LaunchedStep, PlannedStep, StepLauncher, graph_runner, row_key
+from torch_cp.engine.weights import WeightsWatch
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.kv.prefix_cache import PrefixCachingAllocator
@@ -140,6 +141,7 @@ class Engine(BatchRuns, Serving):
             self.runtime, num_pages, page_size, state_slots + checkpoints,
             "allocating the engine's pools")
         self.cache = PagedKVCache(self.runtime, self.pool, self.state)
+        self._weights = WeightsWatch(model, prefix_caching)
         self.broadcast = across_ranks(self.runtime.spans_ranks)
         self.decides = not self.broadcast or dist.get_rank() == 0  # serving's: rank 0, or alone
         self.overlap_planning = overlap_planning

@@ -162,6 +162,18 @@ class Serving:
         self._undelivered.clear()
         return earlier + self._outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (and a hybrid model's state checkpoints) if no request is
+        queued or running: True; else change nothing: False. Weights loaded in place
+        (``load_state_dict``, ``copy_``) empty it by themselves at the next ``run`` or idle
+        ``step``; call this after changing them another way. Under torchrun, on every rank."""
+        if self._scheduler is not None and not self._scheduler.done:
+            return False
+        self._settle_ahead()
+        self.allocator.release_all()
+        self._weights.seen()
+        return True
+
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request has ended, yielding each step's outputs as they come. A
         consumer that stops iterating (``break``, an exception) loses nothing: the outputs
@@ -177,6 +189,8 @@ class Serving:
         """Rank 0's pending submissions and aborts, on every rank (with the stop-string
         criteria they name that it has not sent before)."""
         pending, self._pending = self._pending, []
+        if self.decides and self._scheduler.done and self._weights.changed():
+            pending.insert(0, ("reset_prefix_cache",))  # weights loaded since: stale prefixes
         if self.decides and len(self._stop_strings) > IDLE_KEPT:  # it numbers the criteria
             self._stop_strings.forget_idle({o.stop for o in self._options.values()} | {
                 op[4].stop for op in pending if op[0] == "submit"})
@@ -195,7 +209,9 @@ class Serving:
         capacity = self.allocator.num_pages * self.page_size
         vocab = vocab_size(self.model)
         for op in pending:
-            if op[0] == "submit":
+            if op[0] == "reset_prefix_cache":
+                self.reset_prefix_cache()
+            elif op[0] == "submit":
                 _, rid, prompt, new, options = op
                 error = check_request(prompt, new, vocab, capacity)
                 if error:

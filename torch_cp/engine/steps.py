@@ -121,10 +121,7 @@ class StepLauncher:
         device (a decode step fed the previous step's sampled ids without a host round trip).
         """
         assert self.cache.plan is step.plan, "a launch runs the step planned last"
-        if self.runtime.planned_for is not step.plan:
-            # Planned ahead, then another engine or a model.generate on the same model planned
-            # the model's backend for its own step (helper 109): plan it again for this one.
-            self.cache.begin_step(step.plan)
+        self.cache.claim_backend()  # planned ahead, then another engine or generate planned
         if step.plan.bucket is not None:
             return self.runner.launch(step.plan, token_ids, logit_rows)
         device = self.runtime.device

@@ -21,7 +21,8 @@ from torch_cp.state import StatePool
 
 
 class PagedKVCache(Cache):
-    """Pass as ``past_key_values=`` to a patched model, after ``begin_step(plan)`` for each step.
+    """Pass as ``cache=`` to a patched model (``past_key_values=`` in earlier transformers 5
+    releases: ``compat.cache_kwarg``), after ``begin_step(plan)`` for each step.
 
     Args:
         runtime: the patched model's ``model.torch_cp``.
@@ -99,6 +100,13 @@ class PagedKVCache(Cache):
         self.runtime.planned_for = plan
         if self.state is not None:
             self.state.begin_step(plan)
+
+    def claim_backend(self) -> None:
+        """Plan the backend for this cache's plan again if another cache of the model planned
+        it since (``begin_step``): the backend is the model's, shared by every cache and
+        engine on it (helpers 109, 110: a forward ran on another cache's plan)."""
+        if self.plan is not None and self.runtime.planned_for is not self.plan:
+            self.begin_step(self.plan)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise RuntimeError("PagedKVCache.update was called: only attention modules patched by "

@@ -97,6 +97,7 @@ def _plan_before_forward(module, args, kwargs):
     if kwargs.get("output_attentions") and isinstance(cache, PagedKVCache):
         raise ValueError(NO_ATTENTION_WEIGHTS)
     if isinstance(cache, PagedKVCache) and not isinstance(cache, GenerateCache):
+        cache.claim_backend()
         return _with_plan_positions(cache.plan, args, kwargs)
     if not isinstance(cache, GenerateCache):
         return None

@@ -1,6 +1,6 @@
 """patch_model: validate, pick the family, shard for TP, swap the attention forwards.
 
-After patching, the model's forward takes ``past_key_values=PagedKVCache`` (with a step plan) and
+After patching, the model's forward takes ``cache=PagedKVCache`` (with a step plan) and
 attends through ``ContextParallelAttention`` over the placed paged pool. The model's own weights
 are used in place; with ``tp > 1`` they are cut to this rank's shards, which cannot be undone.
 """
@@ -83,7 +83,7 @@ def patch_model(model: nn.Module, context_parallel: bool = False, mesh=None, mod
         page_size: logical page size of the pools this model will use; a multiple of P.
     Returns:
         ``model``, with ``model.torch_cp`` (a ``ModelRuntime``) and each attention module's
-        ``cp_attention``. Its forward then needs ``past_key_values=PagedKVCache(...)`` with a
+        ``cp_attention``. Its forward then needs ``cache=PagedKVCache(...)`` with a
         step plan (``model.generate`` makes one itself, see ``torch_cp.hf.model_generate``).
         Linears that read one input (q/k/v, gate/up) run as one GEMM, their weights views of one
         storage (``torch_cp.fused_linear``): move and load the model before patching it.

@@ -119,6 +119,9 @@ class PageAllocator:
     def _give_back(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
+    # Outside inference mode: a table made inside it would be an inference tensor, which the
+    # request's next page, taken in a step outside it, could not be written into (helper 110).
+    @torch.inference_mode(False)
     def _extend(self, request_id, new: list[int]) -> None:
         table = self._tables.setdefault(request_id, [])
         table.extend(new)
