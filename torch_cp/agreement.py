@@ -71,31 +71,33 @@ def across_ranks(spans: bool) -> bool:
             and dist.get_world_size() > 1)
 
 
-def agree(runtime, call: str, problems: list[str], digest: Callable[[], dict[str, str]]
-          ) -> None:
+def agree(runtime, call: str, problems: list[str], digest: Callable[[], dict[str, str]],
+          flag: bool = False) -> bool:
     """``agree_over`` the ranks a step of ``runtime`` (a patched model's) spans."""
-    agree_over(runtime.spans_ranks, runtime.device, call, problems, digest)
+    return agree_over(runtime.spans_ranks, runtime.device, call, problems, digest, flag)
 
 
 def agree_over(spans: bool, device, call: str, problems: list[str],
-               digest: Callable[[], dict[str, str]]) -> None:
+               digest: Callable[[], dict[str, str]], flag: bool = False) -> bool:
     """Raise on every rank of the world where ``spans``: a ValueError naming every rank's
     ``problems``, or the arguments of ``call`` whose ``digest()`` (made only then) differs
     between ranks. Elsewhere (one rank, or ranks that each run alone), ``problems`` only.
-    ``device``: this rank's (NCCL gathers through the current CUDA device)."""
+    ``device``: this rank's (NCCL gathers through the current CUDA device). Returns whether
+    ``flag`` holds on any rank (gathered, not compared: what one rank saw and every rank must
+    act on, as weights loaded on rank 0 alone and broadcast)."""
     if not across_ranks(spans):
         if problems:
             raise ValueError("; ".join(problems))
-        return
+        return flag
     mine: dict[str, str] = {}
     if not problems:  # a rank with problems refuses with them; its arguments are not compared
         try:
             mine = digest()
         except Exception as e:  # noqa: BLE001 (named on every rank; never a skipped gather)
             problems = [f"the arguments of {call} cannot be compared: {type(e).__name__}: {e}"]
-    gathered = _gathered(device, (problems, mine))
+    gathered = _gathered(device, (problems, mine, flag))
     ranks_of: dict[str, list[int]] = {}  # each message once, with every rank that found it
-    for rank, (p, _) in enumerate(gathered):
+    for rank, (p, _, _) in enumerate(gathered):
         if p:
             ranks_of.setdefault("; ".join(p), []).append(rank)
     if ranks_of:
@@ -103,11 +105,12 @@ def agree_over(spans: bool, device, call: str, problems: list[str],
             raise ValueError("; ".join(problems))
         raise ValueError(" | ".join(
             f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for m, r in ranks_of.items()))
-    names = set().union(*(d for _, d in gathered))
-    differ = sorted(name for name in names if len({d.get(name) for _, d in gathered}) > 1)
+    names = set().union(*(d for _, d, _ in gathered))
+    differ = sorted(name for name in names if len({d.get(name) for _, d, _ in gathered}) > 1)
     if differ:
         raise ValueError(f"the ranks called {call} with different {', '.join(differ)}: every "
                          f"rank must pass the same arguments")
+    return any(f for _, _, f in gathered)
 
 
 class OtherRankFailed(RuntimeError):

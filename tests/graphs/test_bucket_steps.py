@@ -98,3 +98,35 @@ def test_serving_through_buckets_gives_the_eager_outputs():
                                                           for v in have.values()]
     assert [v[-1][1] for v in want.values()] == [v[-1][1] for v in have.values()]
     assert "abort" in [v[-1][1] for v in have.values()]
+
+
+def test_bucket_engines_stepped_in_turn_keep_their_own_plans():
+    """Two engines through buckets on one model, sampling with steps planned ahead, stepped in
+    turn: each step's launch plans the model's backend again for its own cache (a graph replay
+    runs no Python: the stand-in replay plans nothing either). Each request's tokens are the
+    ones it gets alone (helper 111: no test covered a launch's claim for a bucket step)."""
+    from torch_cp.engine.sampling import SamplingParams
+
+    model = torch_cp.patch_model(torch_cp.tiny_qwen3(), page_size=PAGE)
+    sampling = SamplingParams(temperature=0.7, seed=1)
+
+    def engine():
+        e = Engine(model, 200, PAGE, 16, overlap_planning=True)
+        with_eager_buckets(e, default_buckets(8, 16, mixed=((4, 16),)))
+        return e
+
+    def stepped(engines, prompts):
+        got = [[] for _ in engines]
+        for e, p in zip(engines, prompts):
+            e.submit(p, 12, sampling=sampling)
+        while any(e.has_unfinished() for e in engines):
+            for i, e in enumerate(engines):
+                if e.has_unfinished():
+                    got[i] += [t for o in e.step() for t in o.token_ids]
+        return got
+
+    prompts = _prompts()[:2]
+    alone = [stepped([engine()], [p])[0] for p in prompts]
+    pair = [engine(), engine()]
+    assert stepped(pair, prompts) == alone
+    assert all(e.replayed_steps >= 8 and e.planned_ahead_steps > 0 for e in pair)

@@ -37,9 +37,13 @@ class _EagerGraph:
         cache.plan = seen
         if cache.state is not None:
             cache.state.step = seen
+        # A graph replays with whatever the backend holds: the forward must not plan it again
+        # (``claim_backend``), or a launch that failed to claim it would pass here (helper 111).
+        held, cache.runtime.planned_for = cache.runtime.planned_for, seen
         try:
             logits = self.runner._forward(c)
         finally:
+            cache.runtime.planned_for = held
             cache.plan = live
             if cache.state is not None:
                 cache.state.step = live

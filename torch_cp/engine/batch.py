@@ -86,11 +86,12 @@ class BatchRuns:
         news = checked(problems, new_tokens_per_request, max_new_tokens,
                        None if prompts is None else len(prompts))
         eos = checked(problems, id_tuple, eos_token_ids, "eos_token_ids")
-        weights_changed = self._weights.changed(relist=True)  # since the prefix cache filled
-        agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
-            prompts=prompts and [list(p) for p in prompts], max_new_tokens=news, sampling=sampling,
-            eos_token_ids=eos, logprobs=as_int(logprobs), weights_changed=weights_changed))
-        if weights_changed:
+        # Weights written since the prefix cache filled, on any rank (one rank may load and
+        # broadcast them: a broadcast bumps no version counter): every rank empties it.
+        if agree(self.runtime, "Engine.run", problems, lambda: fingerprint(
+                prompts=prompts and [list(p) for p in prompts], max_new_tokens=news,
+                sampling=sampling, eos_token_ids=eos, logprobs=as_int(logprobs)),
+                flag=self._weights.changed()):
             self.reset_prefix_cache()
         return self.run_agreed(prompts, news, sampling, eos, progress, tokenizer, logprobs)
 
