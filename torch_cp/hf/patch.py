@@ -1,6 +1,7 @@
 """patch_model: validate, pick the family, shard for TP, swap the attention forwards.
 
-After patching, the model's forward takes ``cache=PagedKVCache`` (with a step plan) and
+After patching, the model's forward takes ``cache=PagedKVCache`` (``past_key_values=`` in
+earlier transformers 5 releases; with a step plan) and
 attends through ``ContextParallelAttention`` over the placed paged pool. The model's own weights
 are used in place; with ``tp > 1`` they are cut to this rank's shards, which cannot be undone.
 """
