@@ -164,9 +164,10 @@ class Serving:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (and a hybrid model's state checkpoints) if no request is
-        queued or running: True; else change nothing: False. Weights loaded in place
-        (``load_state_dict``, ``copy_``) empty it by themselves at the next ``run`` or idle
-        ``step``; call this after changing them another way. Under torchrun, on every rank."""
+        queued or running: True; else change nothing: False. Weights loaded since
+        (``load_state_dict``, ``copy_``, ``assign=True``) empty it by themselves at the next
+        ``run`` or idle ``step`` (``engine/weights.py``); call this after changing them another
+        way (through ``.data``). Under torchrun, on every rank."""
         if self._scheduler is not None and not self._scheduler.done:
             return False
         self._settle_ahead()

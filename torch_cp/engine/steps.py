@@ -121,7 +121,7 @@ class StepLauncher:
         device (a decode step fed the previous step's sampled ids without a host round trip).
         """
         assert self.cache.plan is step.plan, "a launch runs the step planned last"
-        self.cache.claim_backend()  # planned ahead, then another engine or generate planned
+        self.cache.claim_backend()  # if another engine or a generate planned the backend since
         if step.plan.bucket is not None:
             return self.runner.launch(step.plan, token_ids, logit_rows)
         device = self.runtime.device
