@@ -15,6 +15,7 @@ import torch
 from driver import tiny_model
 
 import torch_cp
+from torch_cp.layers import decoder_layers
 
 FAMILIES = ["qwen3", "deepseek_v3", "qwen3_5_text"]
 PREFIX = [(7 * i) % 120 + 3 for i in range(23)]  # vocabularies of 128 and up
@@ -161,3 +162,28 @@ def test_a_direct_forward_takes_its_arguments_by_position(pair):
         got = model(ids, mask, positions, cache=cache).logits
         want = ref(ids, mask, positions).logits
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_cache_whose_forward_raised_is_refused_and_a_new_one_serves(pair, scratch, monkeypatch):
+    """A forward that raised left the cache counting its tokens as cached, though the layers
+    after the fault never wrote them: the same call retried with it gave other tokens, no error
+    (helper 112). The cache is refused by name now (a hybrid's earlier layers moved their state
+    too: nothing to roll back), and a new one gives the unpatched model's tokens."""
+    _, model = pair
+    layer = decoder_layers(model)[-1]
+    wrapped = layer.forward
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(layer, "forward", wrapped)  # once
+        raise RuntimeError("planted fault")
+    monkeypatch.setattr(layer, "forward", failing)
+    ids = torch.tensor([PREFIX + SUFFIXES[0]])
+    cache = torch_cp.new_cache(model, 1, len(PREFIX) + 8)
+    with pytest.raises(RuntimeError, match="planted fault"):
+        _generate(model, ids, cache=cache)
+    with pytest.raises(ValueError, match="last forward raised"):
+        _generate(model, ids, cache=cache)
+    with pytest.raises(ValueError, match="last forward raised"), torch.no_grad():
+        model(ids, cache=cache)
+    _assert_same(_generate(model, ids, cache=torch_cp.new_cache(model, 1, len(PREFIX) + 8)),
+                 scratch[0])

@@ -36,13 +36,18 @@ class GenerateCache(PagedKVCache):
         self.allocator = PageAllocator(pool.num_pages, pool.page_size)
         self.row_lens = [0] * batch_size  # real tokens cached per row
         self.columns = 0  # padded columns seen: the length transformers counts
+        # A forward planned and not yet finished (``prepare`` sets it, the model's forward hook
+        # clears it): one that raised left the counts above ahead of what the pool holds.
+        self.in_flight = False
 
     def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Plan the forward of ``input_ids`` [B, S] whose real tokens ``attention_mask``
         [B, past + S] (or [B, S]; ``None``: all real) marks with 1."""
+        self.check_not_interrupted()
         if input_ids.dim() != 2 or input_ids.shape[0] != self.rows:
             raise ValueError(f"this cache serves input_ids of shape [{self.rows}, S], "
                              f"got {list(input_ids.shape)}")
+        self.in_flight = True
         b, s = input_ids.shape
         mask = (torch.ones(b, s, dtype=torch.bool) if attention_mask is None
                 else attention_mask[:, -s:].to("cpu", torch.bool))
@@ -76,6 +81,16 @@ class GenerateCache(PagedKVCache):
         for r in rows:
             self.row_lens[r] += q_lens[r]
         self.columns += s
+
+    def check_not_interrupted(self) -> None:
+        """Refuse a cache whose last forward raised: it counts that forward's tokens as cached,
+        but the layers after the fault never wrote theirs (and a hybrid's earlier layers moved
+        their state), so a retry would attend KV that is not there (helper 112: other tokens,
+        no error)."""
+        if self.in_flight:
+            raise ValueError("this cache's last forward raised before it finished, so it no "
+                             "longer matches what it holds: make a new one with "
+                             "torch_cp.new_cache(model, batch_size, max_length)")
 
     def hold(self, max_length: int) -> None:
         """Grow the pool, keeping every page it holds, until each row can reach ``max_length``
@@ -112,7 +127,7 @@ class GenerateCache(PagedKVCache):
             f"the cache passed holds {self.row_lens} real tokens a row in its first "
             f"{self.columns} columns; the attention mask marks "
             f"{'fewer columns' if marked is None else marked}: {why}; or generate without "
-            f"the cache")
+            f"the cache (or with a new one, if the call that filled it raised)")
 
     def _grow(self, pages: int) -> None:
         """A pool of ``pages`` pages holding this one's (the new one allocated first)."""
@@ -171,3 +186,10 @@ class GenerateCache(PagedKVCache):
 
     def crop(self, max_length: int):
         raise ValueError("torch_cp's paged cache cannot be cropped (assisted decoding)")
+
+
+def finished_forward(module, args, kwargs, output) -> None:
+    """The patched model's forward hook: a ``GenerateCache``'s forward finished."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, GenerateCache):
+        cache.in_flight = False

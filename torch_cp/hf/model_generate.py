@@ -44,7 +44,7 @@ import torch
 from torch_cp import compat
 from torch_cp.agreement import across_ranks, agree, agree_over, described, fingerprint
 from torch_cp.hf.cache import PagedKVCache
-from torch_cp.hf.generate_cache import GenerateCache
+from torch_cp.hf.generate_cache import GenerateCache, finished_forward
 from torch_cp.runtime import new_pools, runtime_and_problems
 from torch_cp.values import positive_int
 
@@ -162,6 +162,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
                              f"torch_cp.new_cache(model, batch_size, max_length), got "
                              f"{type(user).__name__}")
         _check_cache_model(self, user)
+        user.check_not_interrupted()
         if user.rows != rows:
             raise ValueError(f"the cache passed serves {user.rows} rows, this call has {rows} "
                              f"(batch size x num_return_sequences)")
@@ -185,6 +186,8 @@ def install_generate(model) -> None:
         return
     model._torch_cp_generate_hook = model.register_forward_pre_hook(_plan_before_forward,
                                                                     with_kwargs=True)
+    model._torch_cp_finished_hook = model.register_forward_hook(finished_forward,
+                                                                with_kwargs=True)
     # What the instance had under the names replaced (a wrapper set on it), for unpatch_model.
     model._torch_cp_generate_before = {name: model.__dict__[name] for name in _REPLACED
                                        if name in model.__dict__}
@@ -195,9 +198,10 @@ def install_generate(model) -> None:
 
 def uninstall_generate(model) -> None:
     """Undo ``install_generate`` (``unpatch_model`` calls it); a no-op when not installed."""
-    hook = model.__dict__.pop("_torch_cp_generate_hook", None)
-    if hook is not None:
-        hook.remove()
+    for name in ("_torch_cp_generate_hook", "_torch_cp_finished_hook"):
+        hook = model.__dict__.pop(name, None)
+        if hook is not None:
+            hook.remove()
     compat.restore_prepare_cache(model)
     model.__dict__.pop("generate", None)
     model.__dict__.update(model.__dict__.pop("_torch_cp_generate_before", {}))
