@@ -6,6 +6,7 @@ dropped) or every request stops at once (the step launched ahead is drained)."""
 
 import pytest
 import torch
+from driver import sampled_in_turn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,21 +170,6 @@ def test_overlap_planning_gives_the_same_tokens(model, case):
         assert all(reason == "eos" for _, reason in runs[True][0])
 
 
-def _stepped(engines_prompts, between=None):
-    """Each (engine, prompt) request's tokens, the engines stepped in turn, ``between`` called
-    after every step."""
-    got = [[] for _ in engines_prompts]
-    for engine, prompt in engines_prompts:
-        engine.submit(prompt, 10, sampling=SamplingParams(temperature=0.7, seed=1))
-    while any(engine.has_unfinished() for engine, _ in engines_prompts):
-        for i, (engine, _) in enumerate(engines_prompts):
-            if engine.has_unfinished():
-                got[i] += [t for o in engine.step() for t in o.token_ids]
-            if between is not None:
-                between()
-    return got
-
-
 def test_a_step_planned_ahead_survives_another_plan_of_the_shared_backend(model):
     """A sampled step is planned ahead and launched at the next ``step``; the attention backend
     is the model's, so two engines stepped in turn, or a ``model.generate`` between steps, plan
@@ -193,12 +179,12 @@ def test_a_step_planned_ahead_survives_another_plan_of_the_shared_backend(model)
         return Engine(model, num_pages=32, page_size=4, overlap_planning=True)
 
     first, second = PROMPTS[2], PROMPTS[1]
-    alone = [_stepped([(engine(), p)])[0] for p in (first, second)]
+    alone = [sampled_in_turn([engine()], [p], 10)[0] for p in (first, second)]
     a, b = engine(), engine()
-    assert _stepped([(a, first), (b, second)]) == alone
+    assert sampled_in_turn([a, b], [first, second], 10) == alone
     assert a.planned_ahead_steps > 0 and b.planned_ahead_steps > 0
     c = engine()
     ids = torch.tensor([[5, 6, 7]])
-    assert _stepped([(c, first)], lambda: model.generate(
+    assert sampled_in_turn([c], [first], 10, lambda: model.generate(
         ids, max_new_tokens=1, do_sample=False, pad_token_id=0))[0] == alone[0]
     assert all(e.allocator.free_pages == 32 for e in (a, b, c))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cpu_graphs import with_eager_buckets
+from driver import sampled_in_turn
 from mla_models import tiny_config, tiny_model
 
 import torch_cp
@@ -105,28 +106,15 @@ def test_bucket_engines_stepped_in_turn_keep_their_own_plans():
     turn: each step's launch plans the model's backend again for its own cache (a graph replay
     runs no Python: the stand-in replay plans nothing either). Each request's tokens are the
     ones it gets alone (helper 111: no test covered a launch's claim for a bucket step)."""
-    from torch_cp.engine.sampling import SamplingParams
-
     model = torch_cp.patch_model(torch_cp.tiny_qwen3(), page_size=PAGE)
-    sampling = SamplingParams(temperature=0.7, seed=1)
 
     def engine():
         e = Engine(model, 200, PAGE, 16, overlap_planning=True)
         with_eager_buckets(e, default_buckets(8, 16, mixed=((4, 16),)))
         return e
 
-    def stepped(engines, prompts):
-        got = [[] for _ in engines]
-        for e, p in zip(engines, prompts):
-            e.submit(p, 12, sampling=sampling)
-        while any(e.has_unfinished() for e in engines):
-            for i, e in enumerate(engines):
-                if e.has_unfinished():
-                    got[i] += [t for o in e.step() for t in o.token_ids]
-        return got
-
     prompts = _prompts()[:2]
-    alone = [stepped([engine()], [p])[0] for p in prompts]
+    alone = [sampled_in_turn([engine()], [p], 12)[0] for p in prompts]
     pair = [engine(), engine()]
-    assert stepped(pair, prompts) == alone
+    assert sampled_in_turn(pair, prompts, 12) == alone
     assert all(e.replayed_steps >= 8 and e.planned_ahead_steps > 0 for e in pair)

@@ -175,3 +175,22 @@ def shape_mesh(sp: int, tp: int, names=("sp", "tp"), device: str = "cpu"):
 
     return DeviceMesh(device, torch.arange(sp * tp).view(sp, tp), mesh_dim_names=names,
                       _init_backend=False)
+
+
+def sampled_in_turn(engines, prompts, max_new_tokens: int, between=None) -> list[list[int]]:
+    """Each engine's one request (its prompt, sampled at temperature 0.7, seed 1): the tokens,
+    the engines stepped in turn through the request API, ``between()`` called after each
+    engine's turn (engines sharing one model take turns with its attention backend)."""
+    from torch_cp.engine.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=0.7, seed=1)
+    got = [[] for _ in engines]
+    for engine, prompt in zip(engines, prompts):
+        engine.submit(prompt, max_new_tokens, sampling=sampling)
+    while any(engine.has_unfinished() for engine in engines):
+        for i, engine in enumerate(engines):
+            if engine.has_unfinished():
+                got[i] += [t for out in engine.step() for t in out.token_ids]
+            if between is not None:
+                between()
+    return got
