@@ -23,9 +23,10 @@ import warnings
 import torch
 
 from torch_cp.agreement import OtherRankFailed
-from torch_cp.cli_args import UsageError, argument_problems, parse_args
+from torch_cp.cli_args import UsageError, argument_problems, model_path_problems, parse_args
 from torch_cp.engine import EngineWarning, SamplingParams
-from torch_cp.engine.generation import engine_for, never_fit_hints
+from torch_cp.engine.checks import checked
+from torch_cp.engine.generation import batch_rows, engine_for, never_fit_hints
 
 DEFAULT_PROMPTS = ("The capital of France is", "Hello")  # the tiny model's, through its tokenizer
 # For a checkpoint without a usable tokenizer: ids under 128, within any tiny test vocabulary.
@@ -40,18 +41,17 @@ def _first_line(error: Exception) -> str:
 
 
 def load_model(args, device: torch.device, mesh):
-    """(patched model, tokenizer or None) on ``device``. A checkpoint loads through
-    ``torch_cp.from_pretrained``: each TP rank reads only its own shards. ValueError for a
-    checkpoint that cannot load."""
+    """The patched model on ``device``. A checkpoint loads through ``torch_cp.from_pretrained``:
+    each TP rank reads only its own shards. ValueError for a checkpoint that cannot load."""
     patch = dict(context_parallel=args.context_parallel, mesh=mesh, mode=args.mode,
                  backend=args.backend, page_size=args.page_size)
     default = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, args.dtype or (default if args.model else "float32"))
     if args.model is None:
         from torch_cp.hf import patch_model
-        from torch_cp.tiny import tiny_qwen3, tiny_tokenizer
+        from torch_cp.tiny import tiny_qwen3
 
-        return patch_model(tiny_qwen3(dtype=dtype).to(device), **patch), tiny_tokenizer()
+        return patch_model(tiny_qwen3(dtype=dtype).to(device), **patch)
     from transformers import AutoConfig
 
     from torch_cp.hf import from_pretrained
@@ -70,7 +70,16 @@ def load_model(args, device: torch.device, mesh):
     except OSError as e:  # unreadable files
         raise ValueError(f"--model {args.model}: cannot load its weights: "
                          f"{_first_line(e)}") from None
-    return model, load_tokenizer(args.model)
+    return model
+
+
+def tokenizer_of(args):
+    """The tiny model's tokenizer, or the checkpoint's (``load_tokenizer``)."""
+    if args.model is None:
+        from torch_cp.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    return load_tokenizer(args.model)
 
 
 def load_tokenizer(path: str):
@@ -80,7 +89,8 @@ def load_tokenizer(path: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError):
+    except Exception:  # noqa: BLE001 (read before the model: a config field of the wrong type
+        # raises huggingface_hub's own error, named when the model loads)
         return None
     try:
         usable = len(tokenizer) > 1 and bool(tokenizer("Hello", add_special_tokens=False)
@@ -123,8 +133,12 @@ def _rank() -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     problems = argument_problems(args, torch.cuda.is_available())
-    if problems:
-        raise ValueError("; ".join(problems))
+    tokenizer = prompts = None
+    if not model_path_problems(args.model):  # the prompts, named before the model loads
+        tokenizer = tokenizer_of(args)
+        prompts = checked(problems, prompts_of, args, tokenizer)
+    if problems:  # a number that is none: argparse's usage error, with the rest
+        raise (UsageError if args.unparsed else ValueError)("; ".join(problems))
     import torch.distributed as dist
 
     from torch_cp.engine.requests import eos_ids
@@ -139,19 +153,19 @@ def main(argv=None) -> int:
     if world > 1 or args.tp * args.sp > 1:
         mesh = init_mesh(tp=args.tp, sp=args.sp, device_type=device.type)
     rank = _rank()
-    model, tokenizer = load_model(args, device, mesh)
+    model = load_model(args, device, mesh)
     if args.model is None and rank == 0:
         print(TINY_NOTE)
     if tokenizer is None and rank == 0:
         print(f"torch_cp: warning: {args.model} has no usable tokenizer (no tokenizer files, or "
               f"one that encodes text to nothing): prompts are token ids, output token ids only",
               file=sys.stderr)
-    prompts = prompts_of(args, tokenizer)
     news = [args.max_new_tokens] * len(prompts)
     runtime = model.torch_cp
     eng, cap = engine_for(model, prompts, news, args.page_size,
                           max_tokens_per_step=args.max_tokens_per_step,
-                          cuda_graphs=args.cuda_graphs, compile=args.compile,
+                          max_rows=batch_rows(prompts), cuda_graphs=args.cuda_graphs,
+                          compile=args.compile,
                           overlap_planning=args.overlap_planning, progress=not args.no_progress)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = never_fit_hints(

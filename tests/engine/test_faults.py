@@ -173,6 +173,32 @@ def test_a_serving_step_that_raises_names_the_requests_it_ended(model, monkeypat
     assert [tuple(tokens)] == _tokens(Engine(model, **ENGINE).run(PROMPTS[1:2], NEW))
 
 
+class _NoNotes(RuntimeError):
+    """An exception as Python 3.10 makes them (``add_note`` came in 3.11)."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_serving_fault_without_notes_still_returns_every_page(model, monkeypatch):
+    """On Python 3.10 (which the package allows) the note's ``add_note`` raised an
+    AttributeError in place of the fault, and the requests kept their pages (helper 115)."""
+    engine = Engine(model, **ENGINE)
+    raised = _NoNotes("planted fault")
+
+    def failing(*args, **kwargs):
+        raise raised
+    engine.submit(PROMPTS[3], NEW)
+    monkeypatch.setattr(decoder_layers(model)[-1], "forward", failing)
+    with pytest.raises(_NoNotes) as caught:
+        engine.step()
+    assert caught.value is raised
+    assert not engine.has_unfinished()
+    assert engine.allocator.free_pages == engine.allocator.num_pages
+
+
 # --- sampling at temperatures whose quotient overflows ---
 
 TINY_TEMPERATURES = [1e-3, 1e-20, 1e-38, 1e-45, 1e-300, 5e-324]
@@ -276,9 +302,9 @@ def test_a_hybrid_models_default_pool_leaves_room_for_its_state_pool(monkeypatch
 
     hybrid = torch_cp.patch_model(tiny_qwen3_5(), page_size=16)
     runtime = hybrid.torch_cp
-    state = engine_module.state_pool_bytes(runtime, 2, prefix_caching=True)  # 2 requests
+    state = memory.state_pool_bytes(runtime, 2, prefix_caching=True)  # 2 requests
     assert state == Engine(hybrid, num_pages=1, max_rows=2, prefix_caching=True).state_bytes
-    assert state < engine_module.state_pool_bytes(runtime, prefix_caching=True) / 16  # 64 rows'
+    assert state < memory.state_pool_bytes(runtime, prefix_caching=True) / 16  # 64 rows'
     made = []
     monkeypatch.setattr(generation, "Engine", lambda *a, **k: made.append(Engine(*a, **k))
                         or made[-1])
@@ -334,6 +360,18 @@ def test_engine_flags_that_are_not_bools_and_a_pool_larger_than_memory_are_refus
                                          r"num_pages 1000000000000 need .* GiB of pool on each "
                                          r"rank; the free memory holds at most \d+ pages"):
         Engine(model, num_pages=10**12, max_rows=0)  # both named (helper 43)
+
+
+def test_stream_and_progress_that_are_not_bools_are_refused(model, monkeypatch):
+    """``stream="False"`` returned a stream (a str is truthy; helper 116)."""
+    with pytest.raises(ValueError, match="progress must be True or False, got 'x'"):
+        Engine(model, num_pages=4).run(PROMPTS, NEW, progress="x")
+    monkeypatch.setattr(model.torch_cp, "new_pool", _meta_pools_only(model.torch_cp))
+    with pytest.raises(ValueError, match="progress must be True or False, got 'no'; stream must "
+                                         "be True or False, got 'False'"):
+        torch_cp.generate(model, PROMPTS, NEW, stream="False", progress="no")
+    with pytest.raises(ValueError, match="progress must be True or False, got 1"):
+        Engine(model, num_pages=4, progress=1)
 
 
 def test_sizes_computed_with_numpy_or_torch_are_taken_as_ints(model, expected):

@@ -161,6 +161,22 @@ def test_a_state_pool_past_the_free_memory_is_refused_before_allocation(model, m
         with pytest.raises(ValueError, match=r"num_pages 40 need .* GiB of pool on each rank "
                                              r"beside .* GiB of state pool"):
             Engine(model, PAGES, PAGE, **kwargs)
+    # named beside a num_pages that is bad (helper 116: the fit check was skipped)
+    with pytest.raises(ValueError, match=r"num_pages must be a positive int, got 0; the state "
+                                         r"pool needs .* GiB on each rank"):
+        Engine(model, 0, PAGE, max_rows=10**8)
+
+
+def test_generate_without_prompts_allocates_nothing(model, monkeypatch):
+    """No prompt: no engine, no KV pool and no state pool (helper 116: 64 state slots)."""
+    from torch_cp.engine import engine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pool was allocated")
+
+    monkeypatch.setattr(engine, "new_pools", refuse)
+    assert torch_cp.generate(model, [], 3, progress=False) == []
+    assert list(torch_cp.generate(model, [], 3, progress=False, stream=True)) == []
 
 
 # Over gloo ranks, in one spawn per world: P = 2 in TP and SP mode, P = 4 in SP mode (its two

@@ -203,6 +203,20 @@ def test_bad_prompts_name_every_problem():
         normalize_prompts(torch.ones(1, 1, 2, dtype=int))
 
 
+def test_run_tokens_refuses_what_is_not_token_ids(model):
+    """``run_tokens`` (the CLI's) took a float or bool as the token it rounds to, and a str or a
+    nested list raised a TypeError mid-batch (helper 116): a ValueError now, as ``run``'s."""
+    engine = Engine(model, num_pages=8)
+    for prompts, named in (([[1.9]], "prompt 0:"), ([[True]], "prompt 0:"),
+                           ([[1, 2], "ab", [[2]]], "prompts 1, 2:"),
+                           (None, "got NoneType"), ("ab", "got str")):
+        with pytest.raises(ValueError, match=f"invalid prompts: .*{named}"):
+            engine.run_tokens(prompts, 2)
+    assert engine.allocator.free_pages == engine.allocator.num_pages
+    assert tokens(engine.run_tokens([[5, 7], torch.tensor([5, 7])], NEW)) == tokens(
+        engine.run([[5, 7]] * 2, NEW))
+
+
 def test_mask_semantics_are_hugging_faces():
     """1 keeps a token, 0 drops it, wherever it is; the mask's dtype does not matter."""
     ids = torch.tensor([[9, 8, 7, 6], [5, 4, 3, 2]])

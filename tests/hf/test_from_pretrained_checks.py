@@ -186,6 +186,22 @@ def test_paths_without_a_checkpoint_are_named(checkpoints, tmp_path):
         torch_cp.from_pretrained(sharded)
 
 
+def test_a_path_without_a_checkpoint_is_named_with_every_argument_problem(tmp_path):
+    """The missing config.json alone was named (helper 116): patch_model's checks that need no
+    model, and the dtype, are named beside it."""
+    with pytest.raises(ValueError) as info:
+        torch_cp.from_pretrained(tmp_path / "nowhere", mode="x", backend="y", page_size=0,
+                                 dtype="int8", context_parallel="False", mesh="mesh")
+    for problem in ("not a directory with a config.json", "dtype must be float32, bfloat16 or "
+                    "float16, got torch.int8", "mode must be one of auto, tp, sp, got 'x'",
+                    "page_size must be a positive int, got 0", "backend must be one of",
+                    "context_parallel must be True or False, got 'False'",
+                    "mesh must be a DeviceMesh"):
+        assert problem in str(info.value)
+    with pytest.raises(ValueError, match="context_parallel=True needs a mesh"):
+        torch_cp.from_pretrained(tmp_path / "nowhere", context_parallel=True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA unavailable is one of the cases")
 def test_a_device_that_cannot_hold_the_weights_is_named_first(checkpoints, no_reads):
     """CUDA without CUDA failed in the allocator after the reads began, an unknown device in

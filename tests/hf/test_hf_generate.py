@@ -67,8 +67,8 @@ def test_the_cache_made_for_generate_is_paged_and_sized_to_the_call(model):
     original = GenerateCache.prepare
 
     def spy(self, input_ids, attention_mask):
+        original(self, input_ids, attention_mask)  # allocates the pools at the first forward
         seen.append((self.pool.num_pages, self.rows, tuple(input_ids.shape)))
-        return original(self, input_ids, attention_mask)
     GenerateCache.prepare = spy
     try:
         ids, mask = left_padded(PROMPTS[:2])
@@ -393,3 +393,96 @@ def test_a_next_turn_padded_between_the_cache_and_its_tokens_is_each_rows_alone(
         want = reference.generate(alone, attention_mask=torch.ones_like(alone), max_new_tokens=4,
                                   do_sample=False)[0, alone.shape[1]:]
         assert got[row].tolist() == want.tolist(), f"row {row}"
+
+
+def _pool_spy(monkeypatch) -> list:
+    """Every allocation of a generate cache's pools (its first forward's or ``new_cache``'s)."""
+    from torch_cp.hf import generate_cache, model_generate
+
+    made = []
+    for module in (generate_cache, model_generate):
+        real = module.new_pools
+        monkeypatch.setattr(module, "new_pools",
+                            lambda *a, real=real, **k: made.append(a[1:3]) or real(*a, **k))
+    return made
+
+
+def test_settings_refused_later_in_generate_are_refused_before_the_cache_is_allocated(
+        model, monkeypatch):
+    """transformers checks a temperature or stop strings only after it has made the cache: a
+    cache sized by a huge max_new_tokens was allocated first (helper 116). It is allocated at
+    the first forward now; assisted decoding, which would crop it after a step, is refused
+    with the other settings the paged cache cannot serve, in one error."""
+    made = _pool_spy(monkeypatch)
+    ids, mask = left_padded(PROMPTS[:2])
+    huge = dict(attention_mask=mask, max_new_tokens=4_000_000)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(ids, do_sample=True, temperature=0.0, **huge)
+    with pytest.raises(ValueError, match="stop strings"):
+        model.generate(ids, do_sample=False, stop_strings=["ab"], **huge)
+    with pytest.raises(ValueError, match=r"guidance_scale .*; assisted decoding"):
+        model.generate(ids, do_sample=False, prompt_lookup_num_tokens=2, guidance_scale=1.5,
+                       **huge)
+    assert made == []
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert made == [(2 * -(-(ids.shape[1] + 2) // model.torch_cp.page_size),
+                     model.torch_cp.page_size)]
+
+
+def test_a_cache_the_free_memory_cannot_hold_is_refused_before_it_is_allocated(
+        model, monkeypatch):
+    """``new_cache`` and ``model.generate`` allocated a pool of any size: 10**10 new tokens
+    failed inside the allocator, and a pool just past the free memory would overcommit it
+    (helper 116). Both now check it against the free memory first, as ``Engine`` does, and a
+    conversation's cache that cannot grow for a next turn is refused and stays usable."""
+    from torch_cp.engine import memory
+
+    made = _pool_spy(monkeypatch)
+    per_page = memory.pool_bytes_per_page(model.torch_cp, model.torch_cp.page_size)
+    monkeypatch.setattr(memory, "_free_bytes", lambda runtime: 40 * per_page)
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match="the free memory holds at most 39 pages"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=10**10, do_sample=False)
+    with pytest.raises(ValueError, match="the free memory holds at most 39 pages"):
+        torch_cp.new_cache(model, 1, 10**10)
+    assert made == []
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+    cache = _cache_of(first)
+    seq = torch.cat([first.sequences, torch.tensor([[5, 6]] * 2)], 1)
+    whole = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    with pytest.raises(ValueError, match="cannot grow to"):
+        model.generate(seq, attention_mask=whole, cache=cache, max_new_tokens=10**4,
+                       do_sample=False)
+    got = model.generate(seq, attention_mask=whole, cache=cache, max_new_tokens=3,
+                         do_sample=False)
+    unpatched = tiny_qwen3()
+    ref = unpatched.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True)
+    want = unpatched.generate(seq, attention_mask=whole, cache=_cache_of(ref), max_new_tokens=3,
+                              do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_a_next_turn_with_an_id_outside_the_vocabulary_is_refused_and_the_turn_retried(model):
+    """One id past the vocabulary in a next turn raised in the embedding after the cache had
+    counted the turn, so the corrected retry was refused and the conversation lost (helper
+    116; on a GPU the embedding's device-side assert ends the process). The ids are checked
+    before the cache plans them: the corrected turn gives the unpatched model's tokens."""
+    ids, mask = left_padded(PROMPTS[:2])
+    outs = {}
+    for name, m in (("unpatched", tiny_qwen3()), ("patched", model)):
+        first = m.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+        user = torch.tensor([[7, 8, 9], [10, 11, 12]])
+        whole = torch.cat([mask, torch.ones(2, 3 + user.shape[1], dtype=mask.dtype)], 1)
+        if name == "patched":
+            bad = user.clone()
+            bad[1, 1] = m.config.vocab_size
+            with pytest.raises(ValueError, match=r"rows \[1\] hold ids outside the model's "
+                                                 r"vocabulary"):
+                m.generate(torch.cat([first.sequences, bad], 1), attention_mask=whole,
+                           cache=_cache_of(first), max_new_tokens=4, do_sample=False)
+        outs[name] = m.generate(torch.cat([first.sequences, user], 1), attention_mask=whole,
+                                cache=_cache_of(first), max_new_tokens=4, do_sample=False)
+    assert torch.equal(outs["patched"], outs["unpatched"])

@@ -299,11 +299,50 @@ def test_a_usage_error_is_one_line_with_argparses_code(capsys):
     assert capsys.readouterr().err.startswith("torch_cp: error: argument --tp: invalid int")
 
 
+def test_every_number_that_is_none_is_named_with_the_rest(capsys):
+    """argparse's ``type=`` stopped at the first (helper 116)."""
+    argv = ["--max-new-tokens", "1.5", "--page-size", "x", "--temperature", "abc", "--tp", "y",
+            "--mode", "xx", "--top-k", "0"]
+    assert argument_problems(parse_args(argv), cuda=False) == [
+        "argument --max-new-tokens: invalid int value: '1.5'",
+        "argument --tp: invalid int value: 'y'", "argument --page-size: invalid int value: 'x'",
+        "argument --temperature: invalid float value: 'abc'",
+        "--mode must be one of auto, tp, sp, got 'xx'",
+        "invalid sampling parameters: top_k must be a positive int or None, got 0"]
+    with pytest.raises(SystemExit) as exit_:
+        cli(argv)
+    assert exit_.value.code == 2  # argparse's, for a usage error
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'abc'" in err and "--mode must be" in err
+
+
+def test_prompts_are_checked_before_the_model_loads(checkpoints, monkeypatch, capsys):
+    """Without a tokenizer a text prompt was refused after the whole checkpoint loaded, and
+    alone (helper 116)."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("torch_cp.hf.from_pretrained", load)
+    for extra, named in ((["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0; "),
+                         ([], "")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["--model", str(checkpoints[1]), "--prompt", "hello", "--no-progress", *extra])
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == (f"torch_cp: error: {named}--prompt 'hello': without a "
+                                           f"tokenizer a prompt is token ids (space- or "
+                                           f"comma-separated)\n")
+
+
 def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
     """A Qwen3.5 checkpoint: the unpatched model's tokens, and the linear-attention state bytes
-    beside the KV bytes (in the JSON too)."""
+    beside the KV bytes (in the JSON too): for the one prompt's slot, as ``generate`` sizes its
+    state pool (the CLI took a slot for each of 64 rows: helper 115)."""
+    import copy
+
     import torch
     from driver import tiny_model
+
+    import torch_cp
+    from torch_cp.engine.memory import state_pool_bytes
 
     model = tiny_model("qwen3_5_text")
     model.save_pretrained(tmp_path / "ckpt")
@@ -315,6 +354,7 @@ def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
     assert parse(out)[0] == [want[0, 5:].tolist()]
     record = json.loads(path.read_text())
     state = record["state_bytes_per_rank"]
+    assert state[0] == state_pool_bytes(torch_cp.patch_model(copy.deepcopy(model)).torch_cp, 1)
     assert state[0] > 0 and f"KV bytes rank 0: {record['kv_bytes_per_rank'][0]}, " \
         f"linear-attention state bytes: {state[0]}" in out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch_cp.agreement import agree, fingerprint
-from torch_cp.engine.checks import checked, model_problems
+from torch_cp.engine.checks import checked, flag_problems, model_problems
 from torch_cp.engine.feedback import Progress, warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.options import Options
 from torch_cp.engine.requests import (
@@ -16,6 +16,7 @@ from torch_cp.engine.requests import (
     new_tokens_per_request,
     normalize_prompts,
     pad_token_ids,
+    token_prompts,
     vocab_size,
     with_text,
 )
@@ -64,8 +65,12 @@ class BatchRuns:
                    sampling: SamplingParams | None = GREEDY, eos_token_ids: Sequence[int] = (),
                    progress: bool = False, tokenizer=None, logprobs: int | None = None
                    ) -> list[Result]:
-        """``run`` for prompts already normalized to token-id lists (no padding checks)."""
-        return self._run_checked(prompts, [], max_new_tokens, sampling, eos_token_ids,
+        """``run`` for prompts already normalized to token-id lists (no padding checks): a
+        prompt that is not one (floats, bools, a str, nested lists) is a ValueError, as
+        ``run``'s."""
+        problems = []  # named in the run's one gather, on every rank
+        ids = checked(problems, token_prompts, prompts)
+        return self._run_checked(ids, problems, max_new_tokens, sampling, eos_token_ids,
                                  progress, tokenizer, logprobs)
 
     def _run_checked(self, prompts: Sequence[Sequence[int]] | None, problems: list[str],
@@ -79,6 +84,7 @@ class BatchRuns:
                                "before Engine.run (an abort() ends a request at the next step)")
         problems += model_problems(self.model, self.runtime)  # cast, moved or patched again
         problems += filter(None, [logprobs_problem(logprobs, vocab_size(self.model))])
+        problems += flag_problems(progress=progress)
         if sampling is None:  # greedy, as submit takes it
             sampling = GREEDY
         elif not isinstance(sampling, SamplingParams):  # helper 87: an AttributeError later

@@ -31,6 +31,12 @@ def checked(problems: list[str], make, *args):
     return None
 
 
+def flag_problems(**flags) -> list[str]:
+    """Each of ``flags`` that is not True or False (a string "False" is truthy)."""
+    return [f"{name} must be True or False, got {flag!r}" for name, flag in flags.items()
+            if not isinstance(flag, bool)]
+
+
 def changed_model_problems(model, runtime) -> list[str]:
     """What stops an engine made for ``runtime`` (``model.torch_cp`` when it was made) running
     ``model`` now: patched again or unpatched since, or cast or moved after patching. Cheap
@@ -72,7 +78,8 @@ def _bucket_problems(mixed_buckets) -> list[str]:
 def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, max_rows,
                     max_pages_per_row, mixed_buckets, cuda_graphs: bool, compile: bool,
                     device, prefix_caching=False, hybrid: bool = False,
-                    state_checkpoints=None, backend=None, overlap_planning=False) -> list[str]:
+                    state_checkpoints=None, backend=None, overlap_planning=False,
+                    progress=False) -> list[str]:
     """Every problem with ``Engine``'s arguments (see its docstring); empty when none.
     ``backend``: the model's attention backend, asked about captured mixed buckets where it
     can refuse their steps (``mixed_bucket_problems``: FlashInfer's MLA planner cap)."""
@@ -97,10 +104,9 @@ def engine_problems(num_pages, page_size, partners: int, max_tokens_per_step, ma
         problems.append(f"cuda_graphs needs a model on CUDA, not {device}")
     if compile and not cuda_graphs:
         problems.append("compile=True compiles the captured step: it needs cuda_graphs=True")
-    for name, flag in (("cuda_graphs", cuda_graphs), ("compile", compile),
-                       ("overlap_planning", overlap_planning), ("prefix_caching", prefix_caching)):
-        if not isinstance(flag, bool):
-            problems.append(f"{name} must be True or False, got {flag!r}")
+    problems += flag_problems(cuda_graphs=cuda_graphs, compile=compile,
+                              overlap_planning=overlap_planning, prefix_caching=prefix_caching,
+                              progress=progress)
     if state_checkpoints is not None:
         if not (hybrid and prefix_caching is True):
             problems.append("state_checkpoints: only a hybrid model (linear attention) with "

@@ -18,14 +18,9 @@ import torch.distributed as dist
 from torch_cp.agreement import across_ranks, agree_over, fingerprint
 from torch_cp.engine.ahead import ahead_ids
 from torch_cp.engine.batch import BatchRuns
-from torch_cp.engine.checks import engine_problems, model_problems, positive_ints
+from torch_cp.engine.checks import engine_problems, model_problems
 from torch_cp.engine.feedback import status
-from torch_cp.engine.memory import (
-    DEFAULT_GRAPH_ROWS,
-    pool_fit_problems,
-    state_pool_bytes,
-    state_slot_counts,
-)
+from torch_cp.engine.memory import DEFAULT_GRAPH_ROWS, engine_fit_problems, state_slot_counts
 from torch_cp.engine.sampling import (
     SamplingParams,
     all_greedy,
@@ -116,15 +111,11 @@ class Engine(BatchRuns, Serving):
                          state_checkpoints=state_checkpoints)
         problems = model_problems(model, self.runtime) + engine_problems(
             **arguments, partners=self.runtime.placement.size, device=self.runtime.device,
-            hybrid=hybrid, backend=self.runtime.backend)
-        if (positive_ints(num_pages) and not _agreed
-                and not self.runtime.placement.page_size_problems(page_size)):
-            # Named beside the other problems (this rank's free memory; the gather below names
-            # a rank it does not fit; ``generate`` checked it before its own gather). The state
-            # pool (hybrid models) counts where its own arguments are valid.
-            state = (state_pool_bytes(self.runtime, max_rows, prefix_caching, state_checkpoints)
-                     if positive_ints(max_rows, state_checkpoints, none=True) else 0)
-            problems += pool_fit_problems(self.runtime, page_size, num_pages, state)
+            hybrid=hybrid, backend=self.runtime.backend, progress=progress)
+        if not _agreed:  # this rank's free memory, named beside the other problems (the gather
+            # below names a rank it does not fit; ``generate`` checked it before its own)
+            problems += engine_fit_problems(self.runtime, page_size, num_pages, max_rows,
+                                            prefix_caching, state_checkpoints)
         # Every rank's problems and arguments, before anything is allocated (``generate``, whose
         # gather covered these arguments, passes ``_agreed``).
         agree_over(self.runtime.spans_ranks and not _agreed, self.runtime.device, "Engine(...)",

@@ -6,15 +6,15 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from torch_cp.agreement import agree, fingerprint
-from torch_cp.engine.checks import checked, engine_problems, model_problems, positive_ints
+from torch_cp.engine.checks import checked, engine_problems, flag_problems, model_problems
 from torch_cp.engine.engine import DEFAULT_TOKENS_PER_STEP, Engine
 from torch_cp.engine.feedback import warn_ignored_sampling, warn_past_positions
 from torch_cp.engine.memory import (
     DEFAULT_GRAPH_ROWS,
     default_num_pages,
+    engine_fit_problems,
     lifetime_pages,
     memory_cap_pages,
-    pool_fit_problems,
     state_pool_bytes,
 )
 from torch_cp.engine.requests import (
@@ -117,8 +117,9 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
             pool). Requests wait for pages.
         page_size: tokens per page (default: the one given to ``patch_model``).
         max_tokens_per_step: token budget of a step; longer prompts are prefilled in chunks.
-        progress: on rank 0, one tqdm bar over prompt tokens prefilled and tokens generated,
-            and a line while CUDA graphs are captured and layers compiled.
+        progress: on rank 0, one tqdm bar over prompt tokens prefilled and tokens generated
+            (not with ``stream``: the stream shows them), and a line while CUDA graphs are
+            captured and layers compiled.
         cuda_graphs: replay decode steps from CUDA graphs captured per batch-size bucket (CUDA;
             captured before the first step, with page tables as wide as the longest request).
         compile, overlap_planning: see ``Engine``.
@@ -161,14 +162,12 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         1 if num_pages is None else num_pages,  # None: sized below from the requests
         page_size, runtime.placement.size, max_tokens_per_step, None, None, (), cuda_graphs,
         compile, runtime.device, prefix_caching, runtime.linear is not None,
-        overlap_planning=overlap_planning)
+        overlap_planning=overlap_planning, progress=progress) + flag_problems(stream=stream)
     rows = batch_rows(token_prompts)
-    if (positive_ints(num_pages, none=True)
-            and not runtime.placement.page_size_problems(page_size)):
-        # this rank's memory, no collective; None: the default pool's first page must fit
-        # beside the state pool (helper 87: it was allocated, and failed, instead)
-        problems += pool_fit_problems(runtime, page_size, num_pages or 1, state_pool_bytes(
-            runtime, rows, prefix_caching), default=num_pages is None)
+    # this rank's memory, no collective; None: the default pool's first page must fit beside
+    # the state pool (helper 87: it was allocated, and failed, instead)
+    problems += engine_fit_problems(runtime, page_size, 1 if num_pages is None else num_pages,
+                                    rows, prefix_caching, None, default=num_pages is None)
     eos = checked(problems, eos_ids, model, eos_token_id, tokenizer) or ()
     agree(runtime, "generate", problems, lambda: fingerprint(
         prompts=token_prompts, max_new_tokens=news, sampling=sampling, logprobs=as_int(logprobs),
@@ -176,6 +175,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *,
         page_size=page_size, max_tokens_per_step=max_tokens_per_step, cuda_graphs=cuda_graphs,
         compile=compile, overlap_planning=overlap_planning, prefix_caching=prefix_caching,
         stream=stream))
+    if not token_prompts:  # nothing to allocate a pool (nor a hybrid model's state) for
+        return iter(()) if stream else []
     lives = [max(n, 1) for n in news]
     engine, cap = engine_for(model, token_prompts, lives, page_size, num_pages,
                              max_tokens_per_step=max_tokens_per_step,

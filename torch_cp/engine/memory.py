@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torch_cp.agreement import across_ranks
+from torch_cp.engine.checks import positive_ints
 from torch_cp.placement import page_size_problems
 from torch_cp.state import LinearGeometry, StatePool
 from torch_cp.values import as_int, positive_int
@@ -195,6 +196,23 @@ def pool_fit_problems(runtime, page_size: int, num_pages: int, reserved_bytes: i
             else f"num_pages {num_pages} need")
     return [f"{what} {num_pages * per_page / 2**30:.1f} GiB of pool on each rank{beside}; the "
             f"free memory holds at most {fits} pages"]
+
+
+def engine_fit_problems(runtime, page_size, num_pages, max_rows, prefix_caching,
+                        state_checkpoints, default: bool = False) -> list[str]:
+    """``pool_fit_problems`` of an ``Engine``'s pools: its KV pool beside its state pool (a
+    hybrid model's), each where its own arguments are valid: the state pool alone where the KV
+    pool's are not, so that it is named beside them."""
+    state = (state_pool_bytes(runtime, max_rows, prefix_caching, state_checkpoints)
+             if positive_ints(max_rows, state_checkpoints, none=True) else 0)
+    if positive_ints(num_pages) and not runtime.placement.page_size_problems(page_size):
+        return pool_fit_problems(runtime, page_size, num_pages, state, default)
+    free = _free_bytes(runtime)
+    if free is None or state <= free:
+        return []
+    return [f"the state pool needs {state / 2**30:.1f} GiB on each rank (a state slot for "
+            f"each of max_rows and state_checkpoints); the free memory holds "
+            f"{free / 2**30:.1f} GiB"]
 
 
 def _free_bytes(runtime) -> int | None:

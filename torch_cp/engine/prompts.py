@@ -36,6 +36,20 @@ def token_ids_of(prompt) -> list[int] | None:
     return None if None in ids else ids
 
 
+def token_prompts(prompts) -> list[list[int]]:
+    """``prompts`` given as token-id lists (``Engine.run_tokens``) as lists of ints; ValueError
+    naming every prompt that is not one (``token_ids_of``)."""
+    if isinstance(prompts, (str, bytes, Mapping)) or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"invalid prompts: prompts must be a list of token-id lists, got "
+                         f"{type(prompts).__name__}")
+    ids = [token_ids_of(p) for p in prompts]
+    bad = [i for i, p in enumerate(ids) if p is None]
+    if bad:
+        raise ValueError(f"invalid prompts: prompt{'s' if len(bad) > 1 else ''} {_shown(bad)}: "
+                         f"not a sequence of token ids (ints)")
+    return ids
+
+
 def _is_chat(x) -> bool:
     """A conversation: a non-empty list of messages (mappings with a ``role``)."""
     return (isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0

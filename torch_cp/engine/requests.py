@@ -15,13 +15,14 @@ from torch_cp.engine.prompts import (
     normalize_prompts,
     pad_token_ids,
     token_ids_of,
+    token_prompts,
 )
 from torch_cp.values import as_int
 
 # Prompt forms live in prompts.py; re-exported here, where requests are made of them.
 __all__ = ["Prompt", "Request", "RequestOutput", "Result", "check_request", "eos_ids",
            "make_requests", "new_tokens_per_request", "normalize_prompts", "pad_token_ids",
-           "token_ids_of", "vocab_size", "with_text"]
+           "token_ids_of", "token_prompts", "vocab_size", "with_text"]
 
 
 @dataclass

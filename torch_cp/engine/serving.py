@@ -151,7 +151,8 @@ class Serving:
             if scheduler.done:
                 self._settle_ahead()
         except BaseException as error:
-            if self._options:  # otherwise unseen: they vanish from has_unfinished and step
+            if self._options and hasattr(error, "add_note"):  # Python 3.11+; otherwise unseen:
+                # they vanish from has_unfinished and step
                 error.add_note(f"torch_cp: requests {sorted(self._options)} ended with this "
                                f"exception (their pages returned); submit them again")
             scheduler.abort_all()

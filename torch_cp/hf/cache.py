@@ -26,7 +26,8 @@ class PagedKVCache(Cache):
 
     Args:
         runtime: the patched model's ``model.torch_cp``.
-        pool: the placed pool (``runtime.new_pool(num_pages, page_size)``).
+        pool: the placed pool (``runtime.new_pool(num_pages, page_size)``); None for a cache
+            that allocates both pools at its first forward (``GenerateCache.deferred``).
         state: a hybrid model's state pool (``torch_cp.runtime.new_state_pool``); its plans
             then carry ``state_slots``.
 
@@ -34,12 +35,12 @@ class PagedKVCache(Cache):
         plan: the step plan of the forward about to run (``None`` before the first step).
     """
 
-    def __init__(self, runtime: ModelRuntime, pool: GQAPool | MLAPool,
+    def __init__(self, runtime: ModelRuntime, pool: GQAPool | MLAPool | None,
                  state: StatePool | None = None):
         super().__init__(layers=[])
-        if pool.placement != runtime.placement:
+        if pool is not None and pool.placement != runtime.placement:
             raise ValueError("the pool was built for another placement than the model's")
-        if (runtime.linear is None) != (state is None):
+        if pool is not None and (runtime.linear is None) != (state is None):
             raise ValueError("a hybrid model needs a state pool (torch_cp.runtime."
                              "new_state_pool), and only a hybrid model takes one")
         self.runtime = runtime

@@ -14,11 +14,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from transformers.core_model_loading import dot_natural_key
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# safetensors' names of the floating dtypes a checkpoint's weights come in
+FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+               "F64": torch.float64}
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ import logging
 import torch
 
 from torch_cp.agreement import together
+from torch_cp.engine.memory import pool_fit_problems
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.kv.allocator import PageAllocator
 from torch_cp.plan import build_step_plan
+from torch_cp.runtime import new_pools
 
 log = logging.getLogger("torch_cp")
 
@@ -30,10 +32,25 @@ class GenerateCache(PagedKVCache):
 
     def __init__(self, runtime, pool, batch_size: int, state=None):
         super().__init__(runtime, pool, state)
+        self._init_rows(batch_size, pool.num_pages, pool.page_size)
+
+    @classmethod
+    def deferred(cls, runtime, batch_size: int, num_pages: int, page_size: int
+                 ) -> GenerateCache:
+        """A cache whose pools are allocated at its first forward. ``model.generate`` makes its
+        cache before transformers checks the rest of its settings (a temperature of 0, stop
+        strings without a tokenizer): those fail before anything sized by max_new_tokens is
+        allocated (helper 116)."""
+        cache = cls.__new__(cls)
+        PagedKVCache.__init__(cache, runtime, None)
+        cache._init_rows(batch_size, num_pages, page_size)
+        return cache
+
+    def _init_rows(self, batch_size: int, num_pages: int, page_size: int) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.rows = batch_size
-        self.allocator = PageAllocator(pool.num_pages, pool.page_size)
+        self.allocator = PageAllocator(num_pages, page_size)
         self.row_lens = [0] * batch_size  # real tokens cached per row
         self.columns = 0  # padded columns seen: the length transformers counts
         # A forward planned and not yet finished (``prepare`` sets it, the model's forward hook
@@ -47,12 +64,21 @@ class GenerateCache(PagedKVCache):
         if input_ids.dim() != 2 or input_ids.shape[0] != self.rows:
             raise ValueError(f"this cache serves input_ids of shape [{self.rows}, S], "
                              f"got {list(input_ids.shape)}")
-        self.in_flight = True
+        if self.pool is None:
+            self.pool, self.state = new_pools(self.runtime, self.allocator.num_pages,
+                                              self.allocator.page_size, self.rows,
+                                              "allocating the generate cache")
         b, s = input_ids.shape
         mask = (torch.ones(b, s, dtype=torch.bool) if attention_mask is None
                 else attention_mask[:, -s:].to("cpu", torch.bool))
         q_lens = mask.sum(1).tolist()
         rows = [r for r in range(b) if q_lens[r] > 0]  # a chunk may hold only a row's padding
+        missing = sum(self.allocator.missing_pages(r, self.row_lens[r] + q_lens[r]) for r in rows)
+        if missing > self.allocator.free_pages:  # ``hold`` sized it from a max_length that
+            # counted only this call's input (its input_ids the new tokens alone): at least double
+            self._grow(max(2 * self.allocator.num_pages,
+                           self.allocator.num_pages + missing - self.allocator.free_pages))
+        self.in_flight = True  # from here the counts run ahead of what the layers wrote
         if not rows:  # a prefill chunk of left padding only: nothing to attend, nothing cached
             self.plan = build_step_plan([], [], [], page_size=self.pool.page_size,
                                         sink_page=self.pool.sink_page,
@@ -60,11 +86,6 @@ class GenerateCache(PagedKVCache):
                                         device=self.runtime.device)
             self.columns += s
             return
-        missing = sum(self.allocator.missing_pages(r, self.row_lens[r] + q_lens[r]) for r in rows)
-        if missing > self.allocator.free_pages:  # ``hold`` sized it from a max_length that
-            # counted only this call's input (its input_ids the new tokens alone): at least double
-            self._grow(max(2 * self.allocator.num_pages,
-                           self.allocator.num_pages + missing - self.allocator.free_pages))
         with torch.inference_mode(False):  # the tables' tensors: see ``_grow``
             for r in rows:
                 assert self.allocator.reserve(r, self.row_lens[r] + q_lens[r]), "grown to fit"
@@ -97,7 +118,7 @@ class GenerateCache(PagedKVCache):
         tokens: a cache passed back to ``generate`` for a conversation's next turn (its
         ``cache``) was sized for the turn before. (A step that still does not fit grows it
         too: ``prepare``.)"""
-        self._grow(self.rows * -(-max_length // self.pool.page_size))
+        self._grow(self.rows * -(-max_length // self.allocator.page_size))
 
     def check_cached_columns(self, attention_mask: torch.Tensor | None) -> None:
         """Refuse a mask [B, columns + S] that marks the cached columns otherwise than they were
@@ -134,13 +155,23 @@ class GenerateCache(PagedKVCache):
         if pages <= self.allocator.num_pages:
             return
         old = self.pool
+        if old is None:  # not allocated yet: it will be at this size
+            self.allocator.grow(pages)
+            return
+
+        def allocate():
+            problems = pool_fit_problems(self.runtime, old.page_size, pages)
+            if problems:  # a ValueError, before the allocation would fail or overcommit
+                raise ValueError(f"the generate cache cannot grow to {pages} pages: "
+                                 f"{problems[0]}")
+            return self.runtime.new_pool(pages, old.page_size)
+
         # Never inference tensors (made under torch.inference_mode, a next turn outside it
         # could not write them); on every rank or on none (a rank out of memory alone left the
         # others in a collective).
         with torch.inference_mode(False):
             pool = together(self.runtime.spans_ranks, self.runtime.device,
-                            f"growing the generate cache to {pages} pages",
-                            lambda: self.runtime.new_pool(pages, old.page_size))
+                            f"growing the generate cache to {pages} pages", allocate)
             for grown, held in zip(pool.tensors, old.tensors):
                 grown[:, :old.num_pages].copy_(held[:, :old.num_pages])  # dim 1: pages, no sink
         log.info("the generate cache grows from %d to %d pages", old.num_pages, pages)
@@ -150,8 +181,9 @@ class GenerateCache(PagedKVCache):
     def logical(self) -> dict:
         """What every rank's cache must agree on, its KV aside (each partner holds its own
         stripe, each TP rank its own heads): rows, pages and what each row has cached."""
-        return dict(rows=self.rows, num_pages=self.pool.num_pages,
-                    page_size=self.pool.page_size, row_lens=self.row_lens, columns=self.columns,
+        return dict(rows=self.rows, num_pages=self.allocator.num_pages,
+                    page_size=self.allocator.page_size, row_lens=self.row_lens,
+                    columns=self.columns,
                     tables=[self.allocator.table(r) for r in range(self.rows)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

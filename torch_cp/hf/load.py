@@ -43,17 +43,18 @@ from torch import nn
 from torch_cp.agreement import together
 from torch_cp.fused_linear import fused_storage
 from torch_cp.hf.checkpoint import map_checkpoint, read_into, tied_names
-from torch_cp.hf.checkpoint_files import read_headers
+from torch_cp.hf.checkpoint_files import FILE_DTYPES, read_headers
 from torch_cp.hf.patch import patch_validated, shard_model
-from torch_cp.hf.validate import DTYPES, agree_on_model, mesh_spans_world, patch_problems
+from torch_cp.hf.validate import (
+    DTYPES,
+    agree_on_model,
+    argument_problems,
+    mesh_spans_world,
+    patch_problems,
+)
 from torch_cp.tp import SHARD_ATTR, shard_of
 
 log = logging.getLogger("torch_cp")
-
-# safetensors' names of the floating dtypes a checkpoint's weights come in
-FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-               "F64": torch.float64}
-
 
 def _dtype(dtype, config, leaves: dict, problems: list[str]) -> torch.dtype:
     """The dtype asked for. None or "auto", as transformers' default for the text model it
@@ -234,24 +235,23 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
         A rank that then fails to read or to hold its weights raises its error, and every other
         rank one naming it (``agreement.together``).
     """
-    device_problems: list[str] = []
-    path, device = Path(path), _device(device, mesh, device_problems)
+    problems: list[str] = []
+    path, device = Path(path), _device(device, mesh, problems)
     arguments = dict(mode=mode, context_parallel=context_parallel, backend=backend,
                      page_size=page_size)
-    if not (path / "config.json").is_file():
-        _refuse(path, device_problems + [
-            "not a directory with a config.json (a local checkpoint; download one with "
-            "huggingface_hub.snapshot_download)"], None, mesh, device, arguments)
-    leaves, file_problems = read_headers(path)
-    problems = device_problems + list(file_problems)
+    found = (path / "config.json").is_file()  # else nothing is read (AutoConfig: the Hub)
+    leaves, file_problems = read_headers(path) if found else ({}, [
+        "not a directory with a config.json (a local checkpoint; download one with "
+        "huggingface_hub.snapshot_download)"])
+    problems += file_problems
     config, model = None, None
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path) if found else None
     except Exception as e:  # noqa: BLE001 (an unknown model_type, a config not JSON, a field of
         # the wrong type: named, on every rank, rather than raised on one before its gather)
         problems.append(f"config.json: {type(e).__name__}: {e}")
     generation = None  # read before the gather: a bad file is named with the rest
-    if (path / "generation_config.json").is_file():
+    if found and (path / "generation_config.json").is_file():
         try:
             generation = transformers.GenerationConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 (named on every rank, as config.json's)
@@ -264,8 +264,9 @@ def from_pretrained(path: str | os.PathLike, mesh=None, mode: str = "auto",
             # its layers refuse, as vocab_size -1)
             problems.append(f"{type(config).__name__} builds no causal LM: {type(e).__name__}: "
                             f"{e}")
-    if model is None:
-        _refuse(path, problems, None, mesh, device, arguments)
+    if model is None:  # patch_model's checks that need no model named too
+        _refuse(path, problems + argument_problems(**arguments, mesh=mesh), None, mesh, device,
+                arguments)
     settings, refused = patch_problems(model, context_parallel=context_parallel, mesh=mesh,
                                        mode=mode, backend=backend, page_size=page_size,
                                        device=device)

@@ -45,18 +45,23 @@ from torch_cp import compat
 from torch_cp.agreement import across_ranks, agree, agree_over, described, fingerprint
 from torch_cp.hf.cache import PagedKVCache
 from torch_cp.hf.generate_cache import GenerateCache, finished_forward
+from torch_cp.hf.generate_checks import (
+    NO_ATTENTION_WEIGHTS,
+    cache_fit_problems,
+    check_cache_model,
+    check_token_ids,
+    generation_problems,
+)
 from torch_cp.runtime import new_pools, runtime_and_problems
 from torch_cp.values import positive_int
 
 # model.generate's arguments that only show what it makes, compared on no rank: the usual
 # ``streamer=TextStreamer(tokenizer) if rank == 0 else None`` (as ``progress`` in the engine).
 SHOWN_ONLY = ("streamer",)
-NO_ATTENTION_WEIGHTS = ("torch_cp's attention computes no attention weights: "
-                        "output_attentions=True needs the unpatched model (unpatch_model)")
 
 
 def new_cache(model, batch_size: int, max_length: int, page_size: int | None = None, *,
-              _agreed: bool = False) -> GenerateCache:
+              _agreed: bool = False, _deferred: bool = False) -> GenerateCache:
     """A cache for ``model.generate(..., cache=...)`` on a patched model.
 
     Args:
@@ -67,9 +72,10 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
             this cache back) grows the pool, keeping what it holds.
         page_size: tokens per page (default: the one given to ``patch_model``).
     Raises:
-        ValueError naming every problem; under torchrun on every rank alike, with another
-        rank's problems or the arguments that differ (``model.generate``, whose own gather
-        covered them, passes ``_agreed``).
+        ValueError naming every problem (a pool the free memory cannot hold among them, before
+        it is allocated); under torchrun on every rank alike, with another rank's problems or
+        the arguments that differ (``model.generate``, whose own gather covered them, passes
+        ``_agreed``, and ``_deferred``: the pools allocated at the first forward).
     """
     runtime, problems = runtime_and_problems(model)
     size = runtime.page_size if page_size is None else page_size
@@ -78,13 +84,17 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
                  (("batch_size", batch_size, rows), ("max_length", max_length, length))
                  if n is None]
     problems += runtime.placement.page_size_problems(size)
+    pages = None
+    if not problems:
+        pages = rows * -(-length // size)
+        problems += cache_fit_problems(runtime, pages, size, rows)
     agree_over(runtime.spans_ranks and not _agreed, runtime.device, "new_cache", problems,
                lambda: fingerprint(batch_size=batch_size, max_length=max_length, page_size=size))
-    batch_size, max_length = rows, length
-    pages = batch_size * -(-max_length // size)
     install_generate(model)
-    pool, state = new_pools(runtime, pages, size, batch_size, "allocating the generate cache")
-    return GenerateCache(runtime, pool, batch_size, state)
+    if _deferred:
+        return GenerateCache.deferred(runtime, rows, pages, size)
+    pool, state = new_pools(runtime, pages, size, rows, "allocating the generate cache")
+    return GenerateCache(runtime, pool, rows, state)
 
 
 def _plan_before_forward(module, args, kwargs):
@@ -93,7 +103,7 @@ def _plan_before_forward(module, args, kwargs):
     directly, filling a cache with a prompt, does not)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, PagedKVCache):
-        _check_cache_model(module, cache)
+        check_cache_model(module, cache)
     if kwargs.get("output_attentions") and isinstance(cache, PagedKVCache):
         raise ValueError(NO_ATTENTION_WEIGHTS)
     if isinstance(cache, PagedKVCache) and not isinstance(cache, GenerateCache):
@@ -109,7 +119,9 @@ def _plan_before_forward(module, args, kwargs):
         kwargs.update(zip(names, args))
         args = args[len(names):]
     ids = kwargs.get("input_ids")
-    if ids is None and kwargs.get("inputs_embeds") is not None:
+    if ids is not None:
+        check_token_ids(module, ids)
+    elif kwargs.get("inputs_embeds") is not None:
         ids = kwargs["inputs_embeds"][..., 0]  # [B, S]: the plan needs only the shape
     if ids is None:
         raise ValueError("a forward given a torch_cp cache needs input_ids or inputs_embeds")
@@ -118,16 +130,6 @@ def _plan_before_forward(module, args, kwargs):
     # transformers would count a direct call's positions from get_seq_length (the columns
     # already planned, this call's included): the plan's are each row's own
     return _with_plan_positions(cache.plan, args, kwargs) or (args, kwargs)
-
-
-def _check_cache_model(model, cache: PagedKVCache) -> None:
-    """Refuse a cache made for another patched model, or for this one before it was patched
-    again: its pool and plan are not the ones this model's attention reads (helper 109: wrong
-    tokens, or an assertion in the backend)."""
-    if cache.runtime is not getattr(model, "torch_cp", None):
-        raise ValueError("the cache passed was made for another patched model, or for this one "
-                         "before it was patched again: make a new one with "
-                         "torch_cp.new_cache(model, batch_size, max_length)")
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
@@ -139,20 +141,9 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     mask = model_kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2:  # the whole prompt's, whatever the chunks
         mask = mask.to("cpu", torch.bool)
-        right_padded = (mask.any(1) & ~mask[:, -1]).nonzero().flatten().tolist()
-        if right_padded:  # generate reads each row's next token at its last column
-            raise ValueError(f"rows {right_padded} are padded on the right: generate would read "
-                             f"their next token at a padding column; pad on the left "
-                             f"(tokenizer.padding_side = 'left')")
-        if not mask.any():
-            raise ValueError("the input has no real token (its attention mask is all zeros)")
-    if generation_config.output_attentions:
-        raise ValueError(NO_ATTENTION_WEIGHTS)
-    if generation_config.guidance_scale not in (None, 1, 1.0):
-        raise ValueError("guidance_scale (classifier-free guidance) runs the model again without "
-                         "a cache, which a torch_cp-patched model cannot; leave it unset")
-    if generation_config.num_beams > 1:
-        raise ValueError("torch_cp's paged cache does not support beam search (num_beams > 1)")
+    problems = generation_problems(generation_config, generation_mode, mask)
+    if problems:
+        raise ValueError("; ".join(problems))
     generation_config.use_cache = True  # generate's own copy; it passes this to each forward
     rows = max(generation_config.num_return_sequences or 1, 1) * batch_size
     user = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
@@ -161,7 +152,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
             raise ValueError(f"model.generate on a torch_cp-patched model takes a cache made by "
                              f"torch_cp.new_cache(model, batch_size, max_length), got "
                              f"{type(user).__name__}")
-        _check_cache_model(self, user)
+        check_cache_model(self, user)
         user.check_not_interrupted()
         if user.rows != rows:
             raise ValueError(f"the cache passed serves {user.rows} rows, this call has {rows} "
@@ -174,7 +165,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                          f"supported by a torch_cp-patched model; leave it unset")
-    model_kwargs["cache"] = new_cache(self, rows, max_cache_length, _agreed=True)
+    # allocated at the first forward, after transformers has checked the rest of the settings
+    model_kwargs["cache"] = new_cache(self, rows, max_cache_length, _agreed=True, _deferred=True)
 
 
 _REPLACED = ("generate", compat.PREPARE_CACHE)  # instance attributes install_generate sets

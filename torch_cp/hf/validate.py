@@ -215,6 +215,21 @@ def _public(config: dict) -> dict:
                                                    "torch_dtype")}
 
 
+def argument_problems(*, context_parallel, mesh, mode, backend, page_size) -> list[str]:
+    """``patch_model``'s checks that need no model (``from_pretrained`` names them when it has
+    no model to check: no checkpoint at its path)."""
+    problems = [] if mode in MODES else [f"mode must be one of {', '.join(MODES)}, got {mode!r}"]
+    problems += page_size_problems(page_size, 1)
+    _mesh_sizes(mesh, problems)
+    problems += backend_problems(backend, None, None, None, None)  # the name alone
+    if not isinstance(context_parallel, bool):  # "False" from a config file is truthy
+        problems.append(f"context_parallel must be True or False, got {context_parallel!r}")
+    elif context_parallel and mesh is None:
+        problems.append("context_parallel=True needs a mesh whose ranks share KV heads "
+                        "(TP mode: tp > kv_heads; SP mode: sp >= 2)")
+    return problems
+
+
 def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str, backend: str,
                    page_size: int, device: torch.device | None = None
                    ) -> tuple[PatchSettings | None, list[str]]:
@@ -234,9 +249,8 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
         family = family_for(config.model_type)
     except ValueError as e:
         problems.append(str(e))
-    if mode not in MODES:
-        problems.append(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    problems += page_size_problems(page_size, 1)
+    problems += argument_problems(context_parallel=context_parallel, mesh=mesh, mode=mode,
+                                  backend=backend, page_size=page_size)
     dtype, param_device = model_dtype_device(model)
     if device is None and param_device is not None and param_device.type == "meta":
         problems.append("the model's weights are on the meta device: load them before patching "
@@ -244,7 +258,7 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
     device = param_device if device is None else device
     if dtype not in DTYPES:
         problems.append(f"dtype must be float32, bfloat16 or float16, the model has {dtype}")
-    tp, sp = _mesh_sizes(mesh, problems)
+    tp, sp = _mesh_sizes(mesh, [])  # its problems named above
     if tp is not None and mesh is not None and device is not None and (
             mesh.device_type != device.type):
         problems.append(f"the mesh is on {mesh.device_type} but the model is on {device.type}")
@@ -257,15 +271,11 @@ def patch_problems(model: nn.Module, *, context_parallel: bool, mesh, mode: str,
             if tp > 1:
                 problems += dict.fromkeys(p for mlp in decoder_mlps(model)
                                           for p in mlp_problems(mlp, tp))
-    problems += backend_problems(backend, family, config, dtype, device)
+    if backend in BACKEND_NAMES:  # an unknown name: named above
+        problems += backend_problems(backend, family, config, dtype, device)
     problems += hybrid_backend_problems(backend, family)
-    if not isinstance(context_parallel, bool):  # "False" from a config file is truthy
-        problems.append(f"context_parallel must be True or False, got {context_parallel!r}")
-        context_parallel = False
-    if context_parallel and mesh is None:
-        problems.append("context_parallel=True needs a mesh whose ranks share KV heads "
-                        "(TP mode: tp > kv_heads; SP mode: sp >= 2)")
-    elif context_parallel and family is not None and tp is not None and mode in MODES:
+    if (context_parallel is True and mesh is not None and family is not None and tp is not None
+            and mode in MODES):
         problems += _context_parallel_problems(family.kv_heads(config), mode, tp, sp, page_size)
     if tp is not None and mesh is not None:  # with or without context parallelism
         problems += mesh_world_problems(mesh)
