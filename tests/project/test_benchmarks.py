@@ -116,3 +116,13 @@ def test_serving_benchmark_names_the_requests_a_pool_cannot_hold():
     done = run(["-m", "benchmarks.serving", "--smoke", "--scenario", "prefix", "--requests",
                 "100000", "--prefix", "100000000"], returncode=1)
     assert "fewer with --requests (now 100000)" in done.stderr, done.stderr[-3000:]
+
+
+def test_few_tokens_benchmark_checks_its_kernel_against_the_linear(tmp_path):
+    """``benchmarks.few_tokens --smoke``: the kernel in Triton's interpreter, each tile's output
+    checked against ``F.linear`` in float32 (the script raises on a mismatch), at 3 and 32 rows."""
+    out = tmp_path / "few.json"
+    run(["-m", "benchmarks.few_tokens", "--smoke", "--out", str(out)])
+    rows = records(out)
+    assert sorted(r["tokens"] for r in rows) == [3, 32] and all(r["kernel"] == "triton"
+                                                               for r in rows)
