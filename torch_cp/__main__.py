@@ -89,6 +89,9 @@ def load_tokenizer(path: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+    except ImportError as e:  # a tokenizer that exists but needs sentencepiece, tiktoken, ...
+        raise ValueError(f"--model {path}: its tokenizer needs a library that is not "
+                         f"installed: {_first_line(e)}") from None
     except Exception:  # noqa: BLE001 (read before the model: a config field of the wrong type
         # raises huggingface_hub's own error, named when the model loads)
         return None

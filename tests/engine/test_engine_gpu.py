@@ -54,3 +54,20 @@ def test_dropped_engine_returns_its_memory(cuda_graphs):
     for _ in range(2):
         pool_bytes = run_and_drop(cuda_graphs)
     assert allocated() - before < pool_bytes // 64, "dropped engines left memory allocated"
+
+
+def test_free_memory_counts_the_blocks_torch_caches():
+    """``mem_get_info`` does not count what torch's caching allocator holds unused, which it
+    gives back to allocate a pool: a pool the size of one just dropped was refused as not
+    fitting (helper 118). A GiB allocated and dropped leaves the free memory as it was."""
+    from types import SimpleNamespace
+
+    from torch_cp.engine import memory
+
+    device = SimpleNamespace(device=torch.device("cuda"))
+    before = memory._free_bytes(device)
+    block = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    assert memory._free_bytes(device) < before - 2**29
+    del block  # cached, not freed
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 2**30
+    assert abs(memory._free_bytes(device) - before) < 2**25

@@ -221,6 +221,12 @@ def _refusals(rank: int) -> dict[str, str]:
     out["generate eos float"] = _raised(torch_cp.generate, model, [[9, 8, 7]], NEW,
                                         eos_token_id=1.5 if rank else None, progress=False)
     ids = torch.tensor([[9, 8, 7]])
+    memory.free_host_bytes = (lambda: 0) if rank else free  # rank 1 short of memory again
+    try:  # its cache refused on rank 1 alone, rank 0 went on into the first forward's gather
+        out["model.generate pool does not fit"] = _raised(model.generate, ids, do_sample=False,
+                                                          max_new_tokens=NEW)
+    finally:
+        memory.free_host_bytes = free
     shown = transformers.TextStreamer(_Decoder()) if rank == 0 else None  # shows, on rank 0
     out["model.generate streamer on rank 0"] = model.generate(
         ids, max_new_tokens=NEW, do_sample=False, streamer=shown)[0].tolist()
@@ -431,8 +437,8 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
     gloo (another dtype) or gave wrong tokens; an Engine of other max_rows or prefix_caching
     hung or died; model.generate of other inputs gave the same wrong tokens on both, silently,
     and of other lengths died; a problem on rank 1 alone (a bad page size or max_rows, a pool
-    its free memory cannot hold, a model cast after patching, a bad new_cache size) left rank 0
-    in its next collective."""
+    its free memory cannot hold, model.generate's cache likewise (helper 118), a model cast after
+    patching, a bad new_cache size) left rank 0 in its next collective."""
     for rank, per_mode in enumerate(ranks):
         got = per_mode["refusals"]
         for key, call, named in [
@@ -459,6 +465,7 @@ def test_ranks_that_patch_build_or_call_model_generate_differently_all_refuse(ra
                 ("Engine max_rows bad", "invalid engine: max_rows must be a positive int or "
                                         "None, got 0"),
                 ("Engine pool does not fit", f"invalid engine: num_pages {PAGES} need "),
+                ("model.generate pool does not fit", "num_pages 2 need "),
                 ("generate num_pages bad", "num_pages must be a positive int, got 0"),
                 ("patch no mesh", "cannot patch the model:\n  - context_parallel=True needs a "
                                   "mesh"),

@@ -424,9 +424,19 @@ def test_settings_refused_later_in_generate_are_refused_before_the_cache_is_allo
         model.generate(ids, do_sample=False, prompt_lookup_num_tokens=2, guidance_scale=1.5,
                        **huge)
     assert made == []
-    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           return_dict_in_generate=True)
     assert made == [(2 * -(-(ids.shape[1] + 2) // model.torch_cp.page_size),
                      model.torch_cp.page_size)]
+    cache = _cache_of(first)
+    pages = cache.pool.num_pages
+    whole = torch.cat([mask, torch.ones(2, 2, dtype=mask.dtype)], 1)
+    with pytest.raises(ValueError, match="stop strings"):  # a next turn: the cache grew first
+        model.generate(first.sequences, attention_mask=whole, cache=cache, do_sample=False,
+                       stop_strings=["ab"], max_new_tokens=4_000_000)
+    with torch.no_grad():  # nor did it at the next forward
+        model(first.sequences[:, -1:], cache=cache)
+    assert cache.pool.num_pages == pages
 
 
 def test_a_cache_the_free_memory_cannot_hold_is_refused_before_it_is_allocated(
@@ -467,8 +477,9 @@ def test_a_cache_the_free_memory_cannot_hold_is_refused_before_it_is_allocated(
 def test_a_next_turn_with_an_id_outside_the_vocabulary_is_refused_and_the_turn_retried(model):
     """One id past the vocabulary in a next turn raised in the embedding after the cache had
     counted the turn, so the corrected retry was refused and the conversation lost (helper
-    116; on a GPU the embedding's device-side assert ends the process). The ids are checked
-    before the cache plans them: the corrected turn gives the unpatched model's tokens."""
+    116; on a GPU the embedding's device-side assert ends the process). The call's whole input
+    is checked before its first forward, and a direct forward's before the cache plans it: the
+    cache is left as it was, and the corrected turn gives the unpatched model's tokens."""
     ids, mask = left_padded(PROMPTS[:2])
     outs = {}
     for name, m in (("unpatched", tiny_qwen3()), ("patched", model)):
@@ -477,12 +488,22 @@ def test_a_next_turn_with_an_id_outside_the_vocabulary_is_refused_and_the_turn_r
         user = torch.tensor([[7, 8, 9], [10, 11, 12]])
         whole = torch.cat([mask, torch.ones(2, 3 + user.shape[1], dtype=mask.dtype)], 1)
         if name == "patched":
+            cache = _cache_of(first)
+            held = (cache.columns, list(cache.row_lens), cache.allocator.free_pages)
             bad = user.clone()
             bad[1, 1] = m.config.vocab_size
-            with pytest.raises(ValueError, match=r"rows \[1\] hold ids outside the model's "
-                                                 r"vocabulary"):
-                m.generate(torch.cat([first.sequences, bad], 1), attention_mask=whole,
-                           cache=_cache_of(first), max_new_tokens=4, do_sample=False)
+            for chunk in (None, 2):  # prefilled in chunks: the chunk before the bad id was
+                # planned and written, then refused with the cache counting it (helper 118)
+                with pytest.raises(ValueError, match=r"rows \[1\] hold ids outside the "
+                                                     r"model's vocabulary"):
+                    m.generate(torch.cat([first.sequences, bad], 1), attention_mask=whole,
+                               cache=cache, max_new_tokens=4, do_sample=False,
+                               prefill_chunk_size=chunk)
+                assert (cache.columns, cache.row_lens, cache.allocator.free_pages) == held
+            with pytest.raises(ValueError, match="outside the model's vocabulary"), \
+                    torch.no_grad():
+                m(bad, cache=cache)  # a direct forward
+            assert (cache.columns, cache.row_lens, cache.allocator.free_pages) == held
         outs[name] = m.generate(torch.cat([first.sequences, user], 1), attention_mask=whole,
                                 cache=_cache_of(first), max_new_tokens=4, do_sample=False)
     assert torch.equal(outs["patched"], outs["unpatched"])

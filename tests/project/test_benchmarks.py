@@ -126,3 +126,33 @@ def test_few_tokens_benchmark_checks_its_kernel_against_the_linear(tmp_path):
     rows = records(out)
     assert sorted(r["tokens"] for r in rows) == [3, 32] and all(r["kernel"] == "triton"
                                                                for r in rows)
+
+
+def test_sync_points_counts_each_synchronizing_call_by_its_torch_cp_call_site(monkeypatch):
+    """``benchmarks.sync_points`` (GPU only: CUDA's sync debug mode) names each host sync by the
+    innermost frame of torch_cp. Here the mode is a no-op and the warning CUDA would give is
+    planted in a callee of a torch_cp function (``values.positive_int`` calls ``as_int``); other
+    warnings are not counted."""
+    import inspect
+    import warnings
+
+    import torch
+
+    from benchmarks import sync_points
+    from torch_cp import values
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    real = values.as_int
+
+    def syncing(value):
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        return real(value)
+    monkeypatch.setattr(values, "as_int", syncing)
+
+    def call():
+        for _ in range(3):
+            values.positive_int(2)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+    line = next(i for i, text in enumerate(inspect.getsourcelines(values.positive_int)[0])
+                if "as_int(" in text) + values.positive_int.__code__.co_firstlineno
+    assert sync_points.syncs_of(call) == {f"torch_cp/values.py:{line} positive_int": 3}

@@ -332,6 +332,22 @@ def test_prompts_are_checked_before_the_model_loads(checkpoints, monkeypatch, ca
                                            f"comma-separated)\n")
 
 
+def test_a_tokenizer_that_needs_a_missing_library_is_named(checkpoints, monkeypatch, capsys):
+    """Read as "no tokenizer" (any error was), the run went on with token-id prompts and a
+    warning that there were no tokenizer files (helper 118)."""
+    import transformers
+
+    def needs(*args, **kwargs):
+        raise ImportError("this tokenizer requires the SentencePiece library")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", needs)
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--model", str(checkpoints[0]), "--no-progress"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (
+        f"torch_cp: error: --model {checkpoints[0]}: its tokenizer needs a library that is not "
+        f"installed: this tokenizer requires the SentencePiece library\n")
+
+
 def test_a_hybrid_checkpoint_reports_its_state_bytes(tmp_path):
     """A Qwen3.5 checkpoint: the unpatched model's tokens, and the linear-attention state bytes
     beside the KV bytes (in the JSON too): for the one prompt's slot, as ``generate`` sizes its

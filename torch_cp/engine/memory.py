@@ -217,9 +217,13 @@ def engine_fit_problems(runtime, page_size, num_pages, max_rows, prefix_caching,
 
 def _free_bytes(runtime) -> int | None:
     """Free memory of the pool's device on this rank: the GPU's, or the host's (None where it is
-    not known)."""
+    not known). On a GPU the blocks torch's caching allocator holds unused count as free (it
+    gives them back to allocate a pool): a pool the size of one just dropped fits again."""
     device = torch.device(runtime.device)
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host_bytes()
+    if device.type != "cuda":
+        return free_host_bytes()
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached
 
 
 def _agreed(cap: int | None, runtime) -> int | None:

@@ -53,6 +53,7 @@ class GenerateCache(PagedKVCache):
         self.allocator = PageAllocator(num_pages, page_size)
         self.row_lens = [0] * batch_size  # real tokens cached per row
         self.columns = 0  # padded columns seen: the length transformers counts
+        self.held_pages = 0  # what ``hold`` asked for, grown to at the next forward
         # A forward planned and not yet finished (``prepare`` sets it, the model's forward hook
         # clears it): one that raised left the counts above ahead of what the pool holds.
         self.in_flight = False
@@ -64,6 +65,9 @@ class GenerateCache(PagedKVCache):
         if input_ids.dim() != 2 or input_ids.shape[0] != self.rows:
             raise ValueError(f"this cache serves input_ids of shape [{self.rows}, S], "
                              f"got {list(input_ids.shape)}")
+        if self.held_pages > self.allocator.num_pages:
+            self._grow(self.held_pages)
+        self.held_pages = 0
         if self.pool is None:
             self.pool, self.state = new_pools(self.runtime, self.allocator.num_pages,
                                               self.allocator.page_size, self.rows,
@@ -114,11 +118,12 @@ class GenerateCache(PagedKVCache):
                              "torch_cp.new_cache(model, batch_size, max_length)")
 
     def hold(self, max_length: int) -> None:
-        """Grow the pool, keeping every page it holds, until each row can reach ``max_length``
-        tokens: a cache passed back to ``generate`` for a conversation's next turn (its
-        ``cache``) was sized for the turn before. (A step that still does not fit grows it
-        too: ``prepare``.)"""
-        self._grow(self.rows * -(-max_length // self.allocator.page_size))
+        """At the next forward, grow the pool, keeping every page it holds, until each row can
+        reach ``max_length`` tokens: a cache passed back to ``generate`` for a conversation's
+        next turn (its ``cache``) was sized for the turn before. Not now: transformers checks
+        the rest of the call after (helper 118). (A step that still does not fit grows it too:
+        ``prepare``.)"""
+        self.held_pages = self.rows * -(-max_length // self.allocator.page_size)
 
     def check_cached_columns(self, attention_mask: torch.Tensor | None) -> None:
         """Refuse a mask [B, columns + S] that marks the cached columns otherwise than they were

@@ -26,11 +26,11 @@ gives a cache its own pool (one prompt, several continuations), and ``inputs_emb
 stand for the prompt's ids. Beam search is not supported (a paged cache does not reorder
 rows).
 
-Under torchrun every rank calls ``generate`` with the same inputs (checked first: one gather of
-the arguments' digest, and a ValueError on every rank naming those that differ), and each rank's
-own loop picks its tokens: greedy decoding agrees on every rank (the tests check it), but
-sampling agrees only when every rank seeds alike (``torch.manual_seed``) and the logits agree to
-the last bit. Where that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts
+Under torchrun every rank calls ``generate`` with the same inputs (``hf.generate_agreement``:
+one gather of the arguments' digest, and a ValueError on every rank naming those that differ),
+and each rank's own loop picks its tokens: greedy decoding agrees on every rank (the tests check
+it), but sampling agrees only when every rank seeds alike (``torch.manual_seed``) and the logits
+agree to the last bit. Where that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts
 the tokens.
 """
 
@@ -42,8 +42,9 @@ import types
 import torch
 
 from torch_cp import compat
-from torch_cp.agreement import across_ranks, agree, agree_over, described, fingerprint
+from torch_cp.agreement import agree_over, fingerprint
 from torch_cp.hf.cache import PagedKVCache
+from torch_cp.hf.generate_agreement import agreed_generate
 from torch_cp.hf.generate_cache import GenerateCache, finished_forward
 from torch_cp.hf.generate_checks import (
     NO_ATTENTION_WEIGHTS,
@@ -54,10 +55,6 @@ from torch_cp.hf.generate_checks import (
 )
 from torch_cp.runtime import new_pools, runtime_and_problems
 from torch_cp.values import positive_int
-
-# model.generate's arguments that only show what it makes, compared on no rank: the usual
-# ``streamer=TextStreamer(tokenizer) if rank == 0 else None`` (as ``progress`` in the engine).
-SHOWN_ONLY = ("streamer",)
 
 
 def new_cache(model, batch_size: int, max_length: int, page_size: int | None = None, *,
@@ -74,8 +71,9 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     Raises:
         ValueError naming every problem (a pool the free memory cannot hold among them, before
         it is allocated); under torchrun on every rank alike, with another rank's problems or
-        the arguments that differ (``model.generate``, whose own gather covered them, passes
-        ``_agreed``, and ``_deferred``: the pools allocated at the first forward).
+        the arguments that differ (``model.generate``, whose own gather agreed on the arguments,
+        passes ``_agreed``: only each rank's free memory is gathered; and ``_deferred``: the
+        pools allocated at the first forward).
     """
     runtime, problems = runtime_and_problems(model)
     size = runtime.page_size if page_size is None else page_size
@@ -88,8 +86,11 @@ def new_cache(model, batch_size: int, max_length: int, page_size: int | None = N
     if not problems:
         pages = rows * -(-length // size)
         problems += cache_fit_problems(runtime, pages, size, rows)
-    agree_over(runtime.spans_ranks and not _agreed, runtime.device, "new_cache", problems,
-               lambda: fingerprint(batch_size=batch_size, max_length=max_length, page_size=size))
+    # Gathered even where the arguments agreed: each rank's free memory is its own (helper 118:
+    # the rank short of it raised alone, the others waited at the first forward's allocation).
+    agree_over(runtime.spans_ranks, runtime.device, "new_cache", problems,
+               lambda: {} if _agreed else fingerprint(batch_size=batch_size,
+                                                      max_length=max_length, page_size=size))
     install_generate(model)
     if _deferred:
         return GenerateCache.deferred(runtime, rows, pages, size)
@@ -120,7 +121,8 @@ def _plan_before_forward(module, args, kwargs):
         args = args[len(names):]
     ids = kwargs.get("input_ids")
     if ids is not None:
-        check_token_ids(module, ids)
+        if not module.__dict__.get("_torch_cp_generating"):  # generate checked its whole input
+            check_token_ids(module, ids)
     elif kwargs.get("inputs_embeds") is not None:
         ids = kwargs["inputs_embeds"][..., 0]  # [B, S]: the plan needs only the shape
     if ids is None:
@@ -184,7 +186,7 @@ def install_generate(model) -> None:
     model._torch_cp_generate_before = {name: model.__dict__[name] for name in _REPLACED
                                        if name in model.__dict__}
     compat.override_prepare_cache(model, _prepare_cache_for_generation)
-    model.generate = types.MethodType(_agreed_generate, model)
+    model.generate = types.MethodType(agreed_generate, model)
     model._torch_cp_generate_installed = True
 
 
@@ -198,72 +200,6 @@ def uninstall_generate(model) -> None:
     model.__dict__.pop("generate", None)
     model.__dict__.update(model.__dict__.pop("_torch_cp_generate_before", {}))
     model.__dict__.pop("_torch_cp_generate_installed", None)
-
-
-def _agreed_generate(self, *args, **kwargs):
-    """The class's ``generate``, once every rank the model spans called it with the same
-    arguments and generation config (``torch_cp.agreement``): ranks given other prompts
-    returned the same wrong tokens, and other lengths or settings hung or died in a collective.
-    One gather, before the cache is allocated; the checks that follow read only what agreed, so
-    every rank refuses alike."""
-    generate = type(self).generate
-    runtime, problems = runtime_and_problems(self)  # this rank's own: cast or moved after patching
-    agree(runtime, "model.generate", problems, lambda: fingerprint(**{
-        name: described(value.logical() if isinstance(value, GenerateCache) else value)
-        for name, value in
-        (_named(generate, self, args, kwargs) | {"model.generation_config": self.generation_config}
-         ).items() if name not in SHOWN_ONLY}))
-    try:
-        bound = inspect.signature(generate).bind(self, *args, **kwargs)
-    except TypeError:
-        bound = None  # generate raises it, alike on every rank
-    if (bound is None or bound.arguments.get("streamer") is None
-            or not across_ranks(runtime.spans_ranks)):
-        return generate(self, *args, **kwargs)
-    streamer = bound.arguments["streamer"] = _StreamerAfterSteps(bound.arguments["streamer"])
-    out = generate(*bound.args, **bound.kwargs)
-    if streamer.error is not None:
-        raise streamer.error
-    return out
-
-
-class _StreamerAfterSteps:
-    """A streamer under torchrun (often on rank 0 alone: ``SHOWN_ONLY``): an error it raised
-    inside a step (a closed pipe) left the other ranks in that step's collective, for ever.
-    Its first error is kept, the streamer not called again, and the error raised once
-    ``generate`` returns (on its rank; the others return their tokens). A streamer cannot
-    stop generation early by raising: use a stopping criterion, on every rank."""
-
-    def __init__(self, streamer):
-        self.streamer = streamer
-        self.error: Exception | None = None
-
-    def put(self, value) -> None:
-        self._call(self.streamer.put, value)
-
-    def end(self) -> None:
-        self._call(self.streamer.end)
-
-    def _call(self, method, *args) -> None:
-        if self.error is None:
-            try:
-                method(*args)
-            except Exception as error:  # noqa: BLE001 (raised after the last step)
-                self.error = error
-
-
-def _named(function, self, args, kwargs) -> dict:
-    """The arguments of ``function(self, *args, **kwargs)`` by name (its ``**kwargs`` spread)."""
-    signature = inspect.signature(function)
-    try:
-        bound = signature.bind(self, *args, **kwargs).arguments
-    except TypeError:  # generate raises it, alike on ranks called alike
-        return {"positional arguments": args, **kwargs}
-    spread = {}
-    for name, param in signature.parameters.items():
-        if name in bound and param.kind == inspect.Parameter.VAR_KEYWORD:
-            spread |= bound.pop(name)
-    return {k: v for k, v in bound.items() if k != "self"} | spread
 
 
 def _with_plan_positions(plan, args, kwargs):
