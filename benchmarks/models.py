@@ -90,12 +90,18 @@ def config_for(name: str, smoke: bool):
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool = False,
-          experts: str | None = None):
+          experts: str | None = None, layers: int | None = None):
     """Random weights drawn on ``device`` directly (N(0, initializer_range), norms at 1).
     ``experts``: a MoE model's experts implementation for torch_cp and the peers alike (default:
     in bf16 torch_cp's fused decode-sized experts ``"torch_cp_fused"`` where CUDA and Triton are,
-    torch_cp's own default, else ``grouped_mm``; ``batched_mm`` in other dtypes)."""
+    torch_cp's own default, else ``grouped_mm``; ``batched_mm`` in other dtypes). ``layers``:
+    fewer decoder layers than the model's (its per-layer types cut to them)."""
     config = config_for(name, smoke)
+    if layers is not None:
+        config.num_hidden_layers = layers
+        for types in ("layer_types", "mlp_layer_types"):
+            if getattr(config, types, None):
+                setattr(config, types, getattr(config, types)[:layers])
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
