@@ -139,6 +139,25 @@ def test_requests_past_max_position_embeddings_warn_and_still_run():
     assert engine_warnings(record) == []
 
 
+def test_a_warning_naming_its_requests_is_shown_each_time_and_kept_nowhere():
+    """Each long request submitted warns with its own id, so Python's registry of warnings shown
+    (the caller module's ``__warningregistry__``) kept one entry a request: a server's grew
+    without end (helper 119). Shown each time as before, kept in no registry."""
+    model = torch_cp.patch_model(tiny_qwen3(max_position_embeddings=32))
+    engine = Engine(model, num_pages=64)
+    globals().pop("__warningregistry__", None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        ids = [engine.submit(PROMPT[:30], 8) for _ in range(5)]
+    assert [str(w.message).split(": ")[1].split(".")[0] for w in record] == [
+        f"request {i} (38)" for i in ids]
+    assert all(w.filename == __file__ for w in record)
+    assert not any("positions" in str(key) for key in globals().get("__warningregistry__", {}))
+    for rid in ids:
+        engine.abort(rid)
+    list(engine.stream())
+
+
 def test_scaled_rope_counts_its_factor_times_the_original_positions():
     """A YaRN config keeps max_position_embeddings at the trained length (Qwen3 at 128k: 40960)
     while the model is meant for the factor times the original length."""

@@ -137,6 +137,21 @@ def test_abort_of_a_waiting_request_and_of_an_unknown_id():
     assert [r.finish_reason for r in e.run([PROMPTS[2]], 2)] == ["length"]
 
 
+def test_an_idle_engine_keeps_nothing_of_what_it_served():
+    """A server aborting ids whose requests had finished (a client gone after its answer) grew
+    the engine's queue without end while idle, each later poll slower; and the last step's
+    logits ([rows, vocab], with their log-softmax when asked) stayed held (helper 119)."""
+    e = engine()
+    rid = e.submit(PROMPTS[1], NEW, logprobs=2)
+    assert collect(list(e.stream()))[1] == {rid: "length"}
+    for _ in range(1000):
+        e.abort(rid)
+        e.abort(12345)
+    assert e._pending == [] and e._committed is None and not e.has_unfinished()
+    e.run([PROMPTS[2]], 2, logprobs=2)
+    assert e._committed is None
+
+
 def test_a_hybrid_models_abort_returns_its_state_slot():
     model = torch_cp.patch_model(tiny_model("qwen3_5_text"), page_size=4)
     e = engine(model)

@@ -164,10 +164,11 @@ class Engine(BatchRuns, Serving):
 
     def _settle_ahead(self) -> None:
         """Once nothing runs: wait for the step launched ahead (its requests ended by an EOS, a
-        stop or an abort: nothing will commit it) and drop it and any step planned ahead."""
+        stop or an abort: nothing will commit it) and drop it and any step planned ahead, and
+        the last step's logits (an idle engine held [rows, vocab] of them: helper 119)."""
         if self._inflight is not None:
             self._inflight.host_ids()
-        self._ahead = self._inflight = None
+        self._ahead = self._inflight = self._committed = None
 
     def _step(self, scheduler: Scheduler, sampling: SamplingParams, generators, eos):
         """Finish one step: the one launched ahead during the previous step, else the

@@ -39,15 +39,22 @@ def rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def warn(message: str, category: type[Warning]) -> None:
+def warn(message: str, category: type[Warning], remembered: bool = True) -> None:
     """``warnings.warn`` attributed to the first caller outside torch_cp (the user's line), on
-    rank 0 only (under torchrun every rank makes the same call: one warning, as one bar)."""
+    rank 0 only (under torchrun every rank makes the same call: one warning, as one bar).
+    ``remembered=False`` for a message naming requests, each one its own: the caller's warning
+    registry would keep every one (a server's, one a request: helper 119)."""
     if not rank0():
         return
     frame, level = sys._getframe(1), 2  # level 2: the frame that called warn()
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    if remembered or frame is None:
+        warnings.warn(message, category, stacklevel=level)
+    else:  # shown as often as a remembered unique message is, kept in no registry
+        warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__"), registry=None,
+                               module_globals=frame.f_globals)
 
 
 def warn_ignored_sampling(sampling: SamplingParams) -> None:
@@ -100,7 +107,7 @@ def warn_past_positions(model, requests: Iterable[Request]) -> None:
              f"{', ...' if len(long) > 8 else ''}. They still run, but the model is not meant for "
              f"positions past {limit} and its output may degrade there; shorten the prompt "
              f"or max_new_tokens to stay within it",
-             PositionLimitWarning)
+             PositionLimitWarning, remembered=False)
 
 
 def status(message: str, show: bool = True) -> None:

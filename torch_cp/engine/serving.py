@@ -103,13 +103,14 @@ class Serving:
     def abort(self, request_id: int) -> None:
         """End a request at the next step boundary; its pages and state slot return then (a
         step already launched for it may still finish on the device; its token is dropped). An
-        id no queued or running request has (finished, unknown) changes nothing; anything but
-        an integer id is a ValueError, at once."""
+        id no queued or running request has (finished, unknown) changes nothing, and is not
+        kept (helper 119: an idle engine kept each); anything but an integer id is a ValueError."""
         rid = as_int(request_id)  # not True (it would abort request 1: helper 84)
         if rid is None:
             raise ValueError(f"abort takes a request id (an int from submit), got "
                              f"{request_id!r}")
-        self._pending.append(("abort", rid))
+        if rid in self._options or any(op[:2] == ("submit", rid) for op in self._pending):
+            self._pending.append(("abort", rid))
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or has outputs a ``stream`` consumer left

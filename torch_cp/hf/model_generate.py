@@ -30,8 +30,8 @@ Under torchrun every rank calls ``generate`` with the same inputs (``hf.generate
 one gather of the arguments' digest, and a ValueError on every rank naming those that differ),
 and each rank's own loop picks its tokens: greedy decoding agrees on every rank (the tests check
 it), but sampling agrees only when every rank seeds alike (``torch.manual_seed``) and the logits
-agree to the last bit. Where that is not certain, ``torch_cp.generate`` samples on rank 0 and broadcasts
-the tokens.
+agree to the last bit. Where that is not certain, ``torch_cp.generate`` samples on rank 0 and
+broadcasts the tokens.
 """
 
 from __future__ import annotations
