@@ -24,12 +24,11 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from benchmarks.common import Results, copy_bandwidth, graph_time_ms, run_header, table
+from benchmarks.gemv import SHAPES as ONE_TOKEN_SHAPES
+from benchmarks.gemv import cycled
 
-SHAPES = {  # name: (out features N, in features K)
-    "qwen3_8b_qkv": (6144, 4096), "qwen3_8b_o": (4096, 4096),
-    "qwen3_8b_gate_up": (24576, 4096), "qwen3_8b_down": (4096, 12288),
-    "a3b_qkv": (5120, 2048), "a3b_o": (2048, 4096),
-}
+# the one-token sweep's weights (name: out features N, in features K) but the router's
+SHAPES = {name: shape for name, shape in ONE_TOKEN_SHAPES.items() if name != "a3b_router"}
 
 
 @triton.jit
@@ -61,17 +60,6 @@ def few_tokens(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, warps: int, s
                                        out.stride(0), BM=max(16, triton.next_power_of_2(m)),
                                        BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return out
-
-
-def cycled(fn, weights):
-    """``fn(w)`` over the copies in turn, one a call (captured calls take the next copy)."""
-    state = {"i": 0}
-
-    def call():
-        w = weights[state["i"] % len(weights)]
-        state["i"] += 1
-        return fn(w)
-    return call
 
 
 def sweep(args, device: torch.device, results: Results, bandwidth: float | None) -> list[dict]:

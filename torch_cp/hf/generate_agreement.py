@@ -27,7 +27,11 @@ def agreed_generate(self, *args, **kwargs):
     every rank refuses alike."""
     generate = type(self).generate
     runtime, problems = runtime_and_problems(self)  # this rank's own: cast or moved after patching
-    named = _named(generate, self, args, kwargs)
+    try:
+        bound = inspect.signature(generate).bind(self, *args, **kwargs)
+    except TypeError:
+        bound = None  # generate raises it, alike on every rank
+    named = _named(bound, args, kwargs)
     agree(runtime, "model.generate", problems, lambda: fingerprint(**{
         name: described(value.logical() if isinstance(value, GenerateCache) else value)
         for name, value in (named | {"model.generation_config": self.generation_config}).items()
@@ -37,10 +41,6 @@ def agreed_generate(self, *args, **kwargs):
         # the whole call's, once: a bad id in a later prefill chunk left the chunks before it
         # written (helper 118); the forwards' own check is skipped while this call runs
         check_token_ids(self, ids)
-    try:
-        bound = inspect.signature(generate).bind(self, *args, **kwargs)
-    except TypeError:
-        bound = None  # generate raises it, alike on every rank
     self.__dict__["_torch_cp_generating"] = True
     try:
         if (bound is None or bound.arguments.get("streamer") is None
@@ -83,15 +83,13 @@ class _StreamerAfterSteps:
                 self.error = error
 
 
-def _named(function, self, args, kwargs) -> dict:
-    """The arguments of ``function(self, *args, **kwargs)`` by name (its ``**kwargs`` spread)."""
-    signature = inspect.signature(function)
-    try:
-        bound = signature.bind(self, *args, **kwargs).arguments
-    except TypeError:  # generate raises it, alike on ranks called alike
+def _named(bound: inspect.BoundArguments | None, args, kwargs) -> dict:
+    """The arguments ``bound`` by name (its ``**kwargs`` spread); where they could not be bound
+    (generate raises it, alike on ranks called alike), the call's as given."""
+    if bound is None:
         return {"positional arguments": args, **kwargs}
-    spread = {}
-    for name, param in signature.parameters.items():
-        if name in bound and param.kind == inspect.Parameter.VAR_KEYWORD:
-            spread |= bound.pop(name)
-    return {k: v for k, v in bound.items() if k != "self"} | spread
+    named, spread = dict(bound.arguments), {}
+    for name, param in bound.signature.parameters.items():
+        if name in named and param.kind == inspect.Parameter.VAR_KEYWORD:
+            spread |= named.pop(name)
+    return {k: v for k, v in named.items() if k != "self"} | spread
